@@ -1,0 +1,13 @@
+"""causal_lm: small decoder-only language models in JAX/Flax, with a position-based causal mask and a KV cache."""
+
+from causal_lm.config import (Config, ConfigError, DataConfig, MeshConfig, ModelConfig, TrainConfig,
+                              apply_overrides, load_config)
+from causal_lm.decode import GenerateError, GenerateResult, generate
+from causal_lm.model import CacheError, Decoder, InputError, KVCache, build_model, init_cache
+from causal_lm.model.functional import forward
+
+__version__ = "0.1.0"
+
+__all__ = ["Config", "ConfigError", "DataConfig", "MeshConfig", "ModelConfig", "TrainConfig", "apply_overrides",
+           "load_config", "GenerateError", "GenerateResult", "generate", "CacheError", "Decoder", "InputError",
+           "KVCache", "build_model", "init_cache", "forward"]

@@ -1,0 +1,44 @@
+"""`causal-lm <command>`: a thin argparse front over importable functions.
+
+Each command lives in `causal_lm/commands/<name>.py` with a `register(subparsers)` that adds its parser and
+sets `func`; adding a command is one line in COMMANDS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = [
+    "causal_lm.commands.info",
+    "causal_lm.commands.generate",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="causal-lm",
+        description="Small decoder-only language models in JAX/Flax: train, generate, compare cache vs recompute.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        importlib.import_module(name).register(sub)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    from causal_lm.config import ConfigError
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, ValueError, FileNotFoundError) as e:  # clear one-line errors, no traceback
+        print(f"causal-lm {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

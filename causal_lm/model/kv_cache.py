@@ -1,0 +1,90 @@
+"""The KV cache as explicit data: K and V at the KV-head count, plus one length per row.
+
+Why a cache is exact: under the causal mask, token j's K and V depend only on tokens 0..j, so tokens that
+arrive later never change them. Each step therefore computes K/V for the new tokens only and reads the old ones.
+
+Layout: right padding. Row b holds its tokens in slots 0..lengths[b]-1, slot index == position. A call writes
+its chunk at slot lengths[b] of each row (one `lax.dynamic_update_slice` per row, vmapped), and the mask makes
+slots >= the new length invisible. `dynamic_update_slice` clamps an out-of-range start silently, so capacity is
+checked on the host (`check_capacity`) before anything runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from causal_lm.config import ModelConfig
+
+
+class CacheError(ValueError):
+    """The cache cannot take what was asked of it (capacity, non-causal model, ...)."""
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    k: jax.Array  # [L, B, S, K, H]
+    v: jax.Array  # [L, B, S, K, H]
+    lengths: jax.Array  # [B] int32: tokens already cached in each row
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token of one row occupies, K and V of all layers together."""
+        L, _, _, K, H = self.k.shape
+        return 2 * L * K * H * self.k.dtype.itemsize
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.k.nbytes + self.v.nbytes + self.lengths.nbytes)
+
+
+def require_causal(config: ModelConfig) -> None:
+    if config.attention_mask != "causal":
+        raise CacheError(
+            f"a KV cache needs attention_mask='causal' (this model uses {config.attention_mask!r}): without the "
+            "causal mask an old token's K/V would change when new tokens arrive, so cached values would be "
+            "wrong. Use generate(..., use_cache=False) for this model.")
+
+
+def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype: Optional[str] = None) -> KVCache:
+    """An empty cache for `batch_size` rows of up to `max_len` tokens, stored at the KV-head count."""
+    require_causal(config)
+    if batch_size <= 0 or max_len <= 0:
+        raise CacheError(f"batch_size and max_len must be positive, got {batch_size} and {max_len}")
+    dt = jnp.dtype(dtype or config.dtype)
+    shape = (config.num_layers, batch_size, max_len, config.kv_heads, config.head_size)
+    return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt), lengths=jnp.zeros((batch_size,), jnp.int32))
+
+
+def write_rows(buf, new, starts):
+    """Write new [B, T, ...] into buf [B, S, ...] at per-row slot offsets starts [B]."""
+    new = new.astype(buf.dtype)
+
+    def one(b, n, s):
+        return jax.lax.dynamic_update_slice_in_dim(b, n, s, axis=0)
+
+    return jax.vmap(one)(buf, new, starts)
+
+
+def check_capacity(cache: KVCache, num_new: int) -> None:
+    """Raise before compute if writing `num_new` slots at each row's length would run past the end."""
+    lengths = np.asarray(jax.device_get(cache.lengths))
+    worst = int(lengths.max()) + num_new if lengths.size else num_new
+    if worst > cache.max_len:
+        row = int(lengths.argmax())
+        raise CacheError(
+            f"KV cache overflow: row {row} holds {int(lengths[row])} tokens and {num_new} more do not fit in "
+            f"max_len={cache.max_len} (JAX would clamp the write and silently overwrite the last slots)")
