@@ -19,7 +19,8 @@ from typing import Any, Iterable, Optional
 POSITIONS = ("rope", "none", "learned")
 MASKS = ("causal", "none", "causal_after_softmax")
 ATTENTION_IMPLS = ("xla", "dot_product_attention")
-ATTENTION_TYPES = ("mha",)
+ATTENTION_TYPES = ("mha", "mla")
+LAYER_KINDS = ("global", "local")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -52,7 +53,18 @@ class ModelConfig:
     rope_fraction: float = 1.0  # share of each head's dims that are rotated
     attention_mask: str = "causal"  # "causal" | "none" | "causal_after_softmax" (the last two: research knobs)
     attention_impl: str = "xla"  # "xla" (einsum) | "dot_product_attention" (jax.nn.dot_product_attention)
-    attention_type: str = "mha"  # "mha" covers MHA / GQA / MQA through num_kv_heads
+    attention_type: str = "mha"  # "mha" covers MHA / GQA / MQA through num_kv_heads; "mla": latent attention
+    # MLA (DeepSeek-V2): K/V come from a kv_lora_rank latent; RoPE acts only on a separate qk_rope_head_dim part
+    # (one rope key shared by all heads). The cache holds latent + rope key per token. None -> derived (below).
+    kv_lora_rank: Optional[int] = None  # required for "mla"
+    q_lora_rank: Optional[int] = None  # None: queries projected directly from the model dim
+    qk_nope_head_dim: Optional[int] = None  # None -> head_size
+    qk_rope_head_dim: Optional[int] = None  # None -> head_size // 2 with RoPE, 0 without
+    v_head_dim: Optional[int] = None  # None -> head_size
+    mla_absorb: bool = False  # decode path over a cache: False expands the latent to K/V, True attends over it
+    # Sliding window: a "local" layer's query at position p sees keys at positions p - sliding_window + 1 .. p.
+    sliding_window: int = 0  # 0 = no window
+    layer_pattern: str = ""  # comma-separated "local"/"global", cycled over layers; "" = all local if windowed
     attn_output_gate: bool = False  # sigmoid gate on each head's attention output
     attn_sink: bool = False  # learnable per-head logit added to the softmax denominator
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2-style)
@@ -65,6 +77,8 @@ class ModelConfig:
     scan_layers: bool = True  # scan over stacked layers (compile time flat in depth) or unroll
 
     def __post_init__(self):
+        if isinstance(self.layer_pattern, (tuple, list)):  # accept ("local", "global") as well as "local,global"
+            object.__setattr__(self, "layer_pattern", ",".join(self.layer_pattern))
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "mlp_dim", "max_seq_len"):
             v = getattr(self, name)
             _check(isinstance(v, int) and v > 0, f"model.{name} must be a positive integer, got {v!r}")
@@ -89,7 +103,9 @@ class ModelConfig:
                f"model.attention_type must be one of {ATTENTION_TYPES}, got {self.attention_type!r}")
         _check(0.0 <= self.rope_fraction <= 1.0, f"model.rope_fraction must be in [0, 1], got {self.rope_fraction}")
         _check(self.rope_theta > 0, f"model.rope_theta must be positive, got {self.rope_theta}")
-        if self.position == "rope":
+        self._check_mla()
+        self._check_window()
+        if self.position == "rope" and self.attention_type != "mla":
             _check(self.rope_dim > 0 and self.rope_dim % 2 == 0,
                    f"model.rope_fraction={self.rope_fraction} of head_dim={self.head_size} rotates "
                    f"{self.head_size * self.rope_fraction:g} dims; it must be a positive even number")
@@ -103,6 +119,48 @@ class ModelConfig:
         _check(self.norm_eps > 0, f"model.norm_eps must be positive, got {self.norm_eps}")
         _check(self.param_dtype in DTYPES, f"model.param_dtype must be one of {DTYPES}, got {self.param_dtype!r}")
         _check(self.dtype in DTYPES, f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+    def _check_mla(self):
+        mla_fields = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        if self.attention_type != "mla":
+            set_ = [f for f in mla_fields if getattr(self, f) is not None] + (["mla_absorb"] if self.mla_absorb else [])
+            _check(not set_, f"model.{', model.'.join(set_)} only apply to attention_type='mla' "
+                             f"(this model uses {self.attention_type!r})")
+            return
+        r = self.kv_lora_rank
+        _check(isinstance(r, int) and r > 0,
+               f"attention_type='mla' needs model.kv_lora_rank, a positive integer (the cached latent size), got {r!r}")
+        for name in ("q_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+            v = getattr(self, name)
+            _check(v is None or (isinstance(v, int) and v > 0), f"model.{name} must be a positive integer or None, got {v!r}")
+        rr = self.qk_rope_head_dim
+        if self.position == "rope":
+            _check(rr is None or (isinstance(rr, int) and rr > 0), f"model.qk_rope_head_dim must be positive with RoPE, got {rr!r}")
+            _check(self.rope_dim % 2 == 0 and self.rope_dim > 0,
+                   f"MLA's rope part must be a positive even number of dims, got {self.rope_dim} "
+                   "(set model.qk_rope_head_dim)")
+        else:
+            _check(rr in (None, 0), f"model.qk_rope_head_dim={rr} needs position='rope' (this model uses {self.position!r})")
+        _check(self.num_kv_heads in (None, self.num_heads),
+               "MLA has no separate KV heads (every head expands its own K/V from the shared latent); "
+               "leave model.num_kv_heads unset")
+        _check(self.rope_fraction == 1.0, "MLA rotates exactly its qk_rope_head_dim dims; leave model.rope_fraction at 1.0")
+        _check(self.attention_impl == "xla", "attention_type='mla' needs attention_impl='xla'")
+        _check(not self.qkv_bias, "model.qkv_bias is not supported with attention_type='mla'")
+
+    def _check_window(self):
+        w = self.sliding_window
+        _check(isinstance(w, int) and w >= 0, f"model.sliding_window must be an integer >= 0 (0 = off), got {w!r}")
+        kinds = self.layer_kinds
+        bad = [k for k in kinds if k not in LAYER_KINDS]
+        _check(not bad, f"model.layer_pattern entries must be in {LAYER_KINDS}, got {bad} "
+                        "(write it as e.g. layer_pattern=local,local,global)")
+        if "local" in kinds:
+            _check(w > 0, "model.layer_pattern has local layers but model.sliding_window is 0")
+        if w > 0:
+            _check(not kinds or "local" in kinds,
+                   f"model.sliding_window={w} but model.layer_pattern={self.layer_pattern!r} has no local layer")
+            _check(self.attention_mask == "causal", "model.sliding_window needs attention_mask='causal'")
 
     # ---- derived sizes -------------------------------------------------------------------------------------
     @property
@@ -120,20 +178,68 @@ class ModelConfig:
 
     @property
     def rope_dim(self) -> int:
-        """Dims of each head that RoPE rotates (0 without RoPE)."""
+        """Dims of each head that RoPE rotates (0 without RoPE). MLA: its decoupled rope part."""
         if self.position != "rope":
             return 0
+        if self.attention_type == "mla":
+            return self.head_size // 2 if self.qk_rope_head_dim is None else self.qk_rope_head_dim
         return int(round(self.head_size * self.rope_fraction))
+
+    @property
+    def qk_nope_dim(self) -> int:
+        """MLA: dims of each head's query/key that carry no position (expanded from the latent)."""
+        return self.head_size if self.qk_nope_head_dim is None else self.qk_nope_head_dim
+
+    @property
+    def v_dim(self) -> int:
+        """Dims of each head's value (and attention output)."""
+        if self.attention_type == "mla" and self.v_head_dim is not None:
+            return self.v_head_dim
+        return self.head_size
+
+    @property
+    def layer_kinds(self) -> tuple:
+        """The parsed layer_pattern, e.g. ("local", "local", "global") (empty when unset)."""
+        return tuple(k.strip() for k in self.layer_pattern.split(",") if k.strip())
+
+    @property
+    def layer_windows(self) -> tuple:
+        """Per layer: its sliding window (0 = a global layer that sees every earlier key)."""
+        if self.sliding_window == 0:
+            return (0,) * self.num_layers
+        kinds = self.layer_kinds or ("local",)
+        return tuple(self.sliding_window if kinds[i % len(kinds)] == "local" else 0 for i in range(self.num_layers))
+
+    @property
+    def attention_label(self) -> str:
+        """"MHA", "GQA-4" (4 KV heads), "MQA" or "MLA"."""
+        if self.attention_type == "mla":
+            return "MLA"
+        if self.kv_heads == self.num_heads:
+            return "MHA"
+        return "MQA" if self.kv_heads == 1 else f"GQA-{self.kv_heads}"
 
     @property
     def is_causal(self) -> bool:
         return self.attention_mask == "causal"
 
-    def kv_bytes_per_token(self, bytes_per_element: Optional[int] = None) -> int:
-        """Bytes of K and V cached per token, all layers together."""
+    def kv_layer_bytes_per_token(self, bytes_per_element: Optional[int] = None) -> int:
+        """Bytes one token occupies in one layer's cache: K and V at the KV-head count, or MLA's latent + rope key."""
         if bytes_per_element is None:
             bytes_per_element = _DTYPE_BYTES[self.dtype]
-        return 2 * self.num_layers * self.kv_heads * self.head_size * bytes_per_element
+        if self.attention_type == "mla":
+            return (self.kv_lora_rank + self.rope_dim) * bytes_per_element
+        return self.kv_heads * (self.head_size + self.v_dim) * bytes_per_element
+
+    def kv_bytes_per_token(self, bytes_per_element: Optional[int] = None) -> int:
+        """Bytes cached per token, all layers together (what `init_cache` allocates per token and row)."""
+        return self.num_layers * self.kv_layer_bytes_per_token(bytes_per_element)
+
+    def kv_cache_bytes(self, context: int, bytes_per_element: Optional[int] = None) -> int:
+        """Bytes one sequence of `context` tokens needs when each local layer keeps only its last
+        `sliding_window` tokens (equal to kv_bytes_per_token() * context without sliding windows)."""
+        per_layer = self.kv_layer_bytes_per_token(bytes_per_element)
+        return sum(per_layer * (min(context, w) if w else context) for w in self.layer_windows)
 
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
