@@ -1,0 +1,520 @@
+"""Hugging Face Llama / Mistral / Qwen2 checkpoints <-> this project's Decoder.
+
+A Hugging Face folder holds `config.json`, the weights as `model.safetensors` (or shards listed in
+`model.safetensors.index.json`) and usually `tokenizer.json`. Reading it needs only `safetensors`' numpy API
+(plus `tokenizers` for the tokenizer): neither torch nor transformers is imported, and nothing touches the
+network.
+
+The three architectures are the same network as ours: pre-norm blocks, RMSNorm (float32 statistics), SwiGLU,
+rotate-half RoPE over the whole head, GQA with query head n served by K/V head n // (N/K), a 1/sqrt(head_dim)
+score scale and optionally tied embeddings. Qwen2 adds biases on q/k/v (not on o). So loading is transposes
+and reshapes, no permutation:
+
+    HF nn.Linear weight [out, in]                    ours
+    self_attn.q_proj.weight   [N*H, D]   ->  blocks.attn.wq   [L, D, N, H]
+    self_attn.k_proj.weight   [K*H, D]   ->  blocks.attn.wk   [L, D, K, H]   (v_proj likewise)
+    self_attn.o_proj.weight   [D, N*H]   ->  blocks.attn.wo   [L, N, H, D]
+    self_attn.q_proj.bias     [N*H]      ->  blocks.attn.bq   [L, N, H]      (k/v biases likewise; Qwen2)
+    mlp.gate_proj.weight      [F, D]     ->  blocks.mlp.w_gate [L, D, F]     (up_proj likewise)
+    mlp.down_proj.weight      [D, F]     ->  blocks.mlp.w_down [L, F, D]
+    input_layernorm.weight    [D]        ->  blocks.attn_norm.scale [L, D]
+    post_attention_layernorm  [D]        ->  blocks.mlp_norm.scale  [L, D]
+    model.embed_tokens.weight [V, D]     ->  embed [V, D]
+    model.norm.weight         [D]        ->  final_norm.scale [D]
+    lm_head.weight            [V, D]     ->  lm_head [D, V]  (absent when tied)
+
+Anything the model here does not compute (RoPE scaling, a sliding window shorter than the context, biases on
+o_proj or the MLP, another activation) is refused with an error that names the setting, never loaded
+approximately. A Mistral/Qwen2 sliding window is exact for sequences no longer than the window, so the loaded
+model's max_seq_len is capped at the window instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from causal_lm.config import ModelConfig
+
+# architecture class name -> model_type
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
+MODEL_TYPES = {v: k for k, v in ARCHITECTURES.items()}
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+# Buffers some older exports saved next to the weights; they are recomputed from the config, never parameters.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class HFFormatError(ValueError):
+    """A Hugging Face checkpoint that is missing something, malformed, or uses a feature not supported here."""
+
+
+# ---- config -------------------------------------------------------------------------------------------------
+
+def read_hf_config(path: str) -> dict:
+    """config.json of a Hugging Face checkpoint folder as a dict."""
+    if not os.path.isdir(path):
+        raise HFFormatError(f"{path!r} is not a directory; expected a Hugging Face checkpoint folder holding "
+                            "config.json and model.safetensors")
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise HFFormatError(f"{path!r} has no config.json; expected a Hugging Face checkpoint folder "
+                            "(config.json + model.safetensors)")
+    with open(cfg_path) as f:
+        return json.load(f)
+
+
+def _architecture(hf: dict) -> str:
+    archs = hf.get("architectures") or []
+    model_type = hf.get("model_type")
+    known = [a for a in archs if a in ARCHITECTURES]
+    if known:
+        return known[0]
+    if not archs and model_type in MODEL_TYPES:
+        return MODEL_TYPES[model_type]
+    raise HFFormatError(
+        f"unsupported architecture {archs or None} (model_type {model_type!r}); supported: "
+        f"{', '.join(ARCHITECTURES)} (model_type {', '.join(MODEL_TYPES)})")
+
+
+def _rope(hf: dict) -> float:
+    """rope_theta, refusing every RoPE variant other than the plain one.
+
+    transformers >= 5 writes `rope_parameters: {rope_type, rope_theta, ...}`; older configs write a top-level
+    `rope_theta` and `rope_scaling` (null for plain RoPE).
+    """
+    params = hf.get("rope_parameters")
+    scaling = hf.get("rope_scaling")
+    theta = hf.get("rope_theta", 10_000.0)
+    for d in (params, scaling):
+        if d is None:
+            continue
+        if not isinstance(d, dict):
+            raise HFFormatError(f"config.json: rope settings {d!r} are not a dict")
+        if "full_attention" in d:  # per-layer-type rope parameters
+            raise HFFormatError("config.json: per-layer-type rope_parameters are not supported; expected one "
+                                "rope_parameters dict with rope_type 'default'")
+        kind = d.get("rope_type", d.get("type", "default"))
+        if kind != "default":
+            raise HFFormatError(
+                f"config.json: rope type {kind!r} is not supported (only plain RoPE, rope_type 'default', is "
+                "implemented here; llama3/linear/dynamic/yarn/longrope scaling would change the rotary "
+                "frequencies)")
+        if d.get("partial_rotary_factor", 1.0) != 1.0:
+            raise HFFormatError(f"config.json: partial_rotary_factor={d['partial_rotary_factor']} is not supported "
+                                "for these architectures; expected 1.0")
+        theta = d.get("rope_theta", theta)
+    if hf.get("partial_rotary_factor", 1.0) != 1.0:
+        raise HFFormatError(f"config.json: partial_rotary_factor={hf['partial_rotary_factor']} is not supported "
+                            "for these architectures; expected 1.0")
+    return float(theta)
+
+
+def _sliding_window(hf: dict, arch: str, num_layers: int) -> Optional[int]:
+    """The window some layer applies, or None when every layer attends to the whole context."""
+    window = hf.get("sliding_window")
+    if window is None:
+        return None
+    if arch == "LlamaForCausalLM":
+        return None  # Llama has no sliding window; the key is ignored by transformers too
+    layer_types = hf.get("layer_types")
+    if arch == "Qwen2ForCausalLM":
+        if not hf.get("use_sliding_window", False):
+            return None
+        if layer_types is None:
+            first = hf.get("max_window_layers", 28)
+            layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
+
+def model_config_from_hf(hf: dict, *, param_dtype: str = "float32", dtype: Optional[str] = None,
+                         max_seq_len: Optional[int] = None) -> ModelConfig:
+    """The ModelConfig that computes what `transformers` computes for this config.json (or an HFFormatError)."""
+    arch = _architecture(hf)
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise HFFormatError(f"config.json: hidden_act={act!r} is not supported; expected 'silu' (SwiGLU MLP)")
+    if arch == "LlamaForCausalLM":
+        if hf.get("attention_bias", False):
+            raise HFFormatError("config.json: attention_bias=true (biases on q/k/v and o_proj) is not supported for "
+                                "Llama; expected false (Qwen2-style q/k/v-only biases are supported as "
+                                "Qwen2ForCausalLM)")
+        if hf.get("mlp_bias", False):
+            raise HFFormatError("config.json: mlp_bias=true is not supported; expected false")
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if not isinstance(hf.get(key), int):
+            raise HFFormatError(f"config.json: {key} is missing or not an integer (got {hf.get(key)!r})")
+    D, N, L = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]
+    K = hf.get("num_key_value_heads") or N
+    H = hf.get("head_dim") or D // N
+    context = int(hf.get("max_position_embeddings", 2048))
+    window = _sliding_window(hf, arch, L)
+    if window is not None and window < context:
+        # transformers lets query i see keys j with i - j < window: identical to full causal attention for any
+        # sequence of at most `window` tokens, so cap the context rather than implement the window.
+        context = window
+    if max_seq_len is not None:
+        if window is not None and max_seq_len > window:
+            raise HFFormatError(f"max_seq_len={max_seq_len} exceeds the checkpoint's sliding_window={window}; "
+                                "sliding-window attention is not implemented here, so the longest exact context "
+                                f"is {window}")
+        context = int(max_seq_len)
+    eps = hf.get("rms_norm_eps", 1e-6)
+    tie = hf.get("tie_word_embeddings", False)  # the default of all three config classes
+    try:
+        return ModelConfig(
+            vocab_size=hf["vocab_size"], d_model=D, num_layers=L, num_heads=N, num_kv_heads=K, head_dim=H,
+            mlp_dim=hf["intermediate_size"], max_seq_len=context, position="rope", rope_theta=_rope(hf),
+            rope_fraction=1.0, qkv_bias=(arch == "Qwen2ForCausalLM"), tie_embeddings=bool(tie),
+            norm_eps=float(eps), param_dtype=param_dtype, dtype=dtype or param_dtype)
+    except ValueError as e:
+        raise HFFormatError(f"config.json describes a model this project cannot build: {e}") from None
+
+
+def hf_config_from_model(c: ModelConfig, architecture: Optional[str] = None, *, bos_id: Optional[int] = None,
+                         eos_id: Optional[int] = None, pad_id: Optional[int] = None) -> dict:
+    """config.json for `c` (refusing models that the Hugging Face architectures cannot express)."""
+    problems = []
+    if c.position != "rope":
+        problems.append(f"position={c.position!r} (needs 'rope')")
+    elif c.rope_dim != c.head_size:
+        problems.append(f"rope_fraction={c.rope_fraction} (needs 1.0: RoPE on the whole head)")
+    if c.attention_mask != "causal":
+        problems.append(f"attention_mask={c.attention_mask!r} (needs 'causal')")
+    if c.attention_type != "mha":
+        problems.append(f"attention_type={c.attention_type!r} (needs 'mha'/GQA/MQA)")
+    if c.attn_output_gate:
+        problems.append("attn_output_gate=True")
+    if c.attn_sink:
+        problems.append("attn_sink=True")
+    windows = tuple(getattr(c, "layer_windows", ()) or (0,) * c.num_layers)
+    if architecture is None:
+        architecture = "qwen2" if c.qkv_bias else ("mistral" if any(windows) else "llama")
+    arch = MODEL_TYPES.get(architecture, architecture)
+    if arch not in ARCHITECTURES:
+        raise HFFormatError(f"unknown architecture {architecture!r}; expected one of {', '.join(MODEL_TYPES)}")
+    if any(windows):
+        if arch == "LlamaForCausalLM":
+            problems.append("a sliding window (Llama has none; Mistral and Qwen2 do)")
+        elif arch == "MistralForCausalLM" and not all(windows):
+            problems.append(f"sliding windows on some layers only ({windows}); Mistral windows every layer")
+    if c.qkv_bias and arch != "Qwen2ForCausalLM":
+        problems.append(f"qkv_bias=True (only Qwen2 has q/k/v biases; {arch} has none)")
+    if not c.qkv_bias and arch == "Qwen2ForCausalLM":
+        problems.append("qkv_bias=False (Qwen2 always has q/k/v biases)")
+    if problems:
+        raise HFFormatError(f"this model cannot be written as {arch}: " + "; ".join(problems))
+    out: dict[str, Any] = {
+        "architectures": [arch],
+        "model_type": ARCHITECTURES[arch],
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.d_model,
+        "intermediate_size": c.mlp_dim,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.kv_heads,
+        "head_dim": c.head_size,
+        "hidden_act": "silu",
+        "max_position_embeddings": c.max_seq_len,
+        "rms_norm_eps": c.norm_eps,
+        # Both spellings: transformers >= 5 reads rope_parameters, 4.x reads rope_theta / rope_scaling.
+        "rope_theta": c.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+        "tie_word_embeddings": c.tie_embeddings,
+        "attention_dropout": 0.0,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+        "dtype": c.param_dtype,
+        "torch_dtype": c.param_dtype,
+        "use_cache": True,
+    }
+    window = max(windows) or None
+    if arch == "LlamaForCausalLM":
+        out.update(attention_bias=False, mlp_bias=False)
+    elif arch == "MistralForCausalLM":
+        out.update(sliding_window=window)
+    else:
+        out.update(use_sliding_window=window is not None, sliding_window=window, max_window_layers=c.num_layers,
+                   layer_types=["sliding_attention" if w else "full_attention" for w in windows])
+    return out
+
+
+# ---- weights ------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Param:
+    """One of our parameters and the Hugging Face tensor(s) it comes from.
+
+    ours: path in our state; hf: tensor name ('{i}' = layer index for per-layer tensors); shape: the HF shape
+    as (sizes, names of the config fields); to_ours / to_hf convert one (per-layer) array each way.
+    """
+    ours: tuple
+    hf: str
+    shape: Callable[[ModelConfig], tuple]
+    to_ours: Callable[[np.ndarray, ModelConfig], np.ndarray]
+    to_hf: Callable[[np.ndarray, ModelConfig], np.ndarray]
+
+    @property
+    def per_layer(self) -> bool:
+        return "{i}" in self.hf
+
+
+def _param_table(c: ModelConfig) -> list[_Param]:
+    D, N, K, H, F, V = c.d_model, c.num_heads, c.kv_heads, c.head_size, c.mlp_dim, c.vocab_size
+    pre = "model.layers.{i}."
+
+    def lin_in(heads):  # [heads*H, D] <-> [D, heads, H]
+        return (lambda w, c: w.T.reshape(D, heads, H), lambda a, c: a.reshape(D, heads * H).T)
+
+    table = [
+        _Param(("embed",), "model.embed_tokens.weight", lambda c: ((V, "vocab_size"), (D, "hidden_size")),
+               lambda w, c: w, lambda a, c: a),
+        _Param(("final_norm", "scale"), "model.norm.weight", lambda c: ((D, "hidden_size"),),
+               lambda w, c: w, lambda a, c: a),
+        _Param(("blocks", "attn_norm", "scale"), pre + "input_layernorm.weight", lambda c: ((D, "hidden_size"),),
+               lambda w, c: w, lambda a, c: a),
+        _Param(("blocks", "mlp_norm", "scale"), pre + "post_attention_layernorm.weight",
+               lambda c: ((D, "hidden_size"),), lambda w, c: w, lambda a, c: a),
+        _Param(("blocks", "attn", "wq"), pre + "self_attn.q_proj.weight",
+               lambda c: ((N * H, "num_attention_heads*head_dim"), (D, "hidden_size")), *lin_in(N)),
+        _Param(("blocks", "attn", "wk"), pre + "self_attn.k_proj.weight",
+               lambda c: ((K * H, "num_key_value_heads*head_dim"), (D, "hidden_size")), *lin_in(K)),
+        _Param(("blocks", "attn", "wv"), pre + "self_attn.v_proj.weight",
+               lambda c: ((K * H, "num_key_value_heads*head_dim"), (D, "hidden_size")), *lin_in(K)),
+        _Param(("blocks", "attn", "wo"), pre + "self_attn.o_proj.weight",
+               lambda c: ((D, "hidden_size"), (N * H, "num_attention_heads*head_dim")),
+               lambda w, c: w.T.reshape(N, H, D), lambda a, c: a.reshape(N * H, D).T),
+        _Param(("blocks", "mlp", "w_gate"), pre + "mlp.gate_proj.weight",
+               lambda c: ((F, "intermediate_size"), (D, "hidden_size")), lambda w, c: w.T, lambda a, c: a.T),
+        _Param(("blocks", "mlp", "w_up"), pre + "mlp.up_proj.weight",
+               lambda c: ((F, "intermediate_size"), (D, "hidden_size")), lambda w, c: w.T, lambda a, c: a.T),
+        _Param(("blocks", "mlp", "w_down"), pre + "mlp.down_proj.weight",
+               lambda c: ((D, "hidden_size"), (F, "intermediate_size")), lambda w, c: w.T, lambda a, c: a.T),
+    ]
+    if c.qkv_bias:
+        for name, heads, label in (("q", N, "num_attention_heads"), ("k", K, "num_key_value_heads"),
+                                   ("v", K, "num_key_value_heads")):
+            table.append(_Param(("blocks", "attn", "b" + name), pre + f"self_attn.{name}_proj.bias",
+                                lambda c, heads=heads, label=label: ((heads * H, f"{label}*head_dim"),),
+                                lambda w, c, heads=heads: w.reshape(heads, H),
+                                lambda a, c, heads=heads: a.reshape(heads * H)))
+    if not c.tie_embeddings:
+        table.append(_Param(("lm_head",), "lm_head.weight", lambda c: ((V, "vocab_size"), (D, "hidden_size")),
+                            lambda w, c: w.T, lambda a, c: a.T))
+    return table
+
+
+class _Tensors:
+    """Lazy access to the tensors of a checkpoint folder, single file or sharded."""
+
+    def __init__(self, path: str):
+        from safetensors import safe_open
+
+        self.path = path
+        index = os.path.join(path, INDEX_NAME)
+        single = os.path.join(path, WEIGHTS_NAME)
+        if os.path.isfile(index):
+            with open(index) as f:
+                weight_map = json.load(f).get("weight_map")
+            if not isinstance(weight_map, dict):
+                raise HFFormatError(f"{index} has no weight_map")
+            files = sorted(set(weight_map.values()))
+            for fname in files:
+                if not os.path.isfile(os.path.join(path, fname)):
+                    raise HFFormatError(f"{INDEX_NAME} lists shard {fname!r}, which is missing from {path!r}")
+        elif os.path.isfile(single):
+            files = [WEIGHTS_NAME]
+        else:
+            others = sorted(f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth", ".ckpt", ".h5")))
+            hint = (f" (found {', '.join(others)}: only safetensors are read here; re-save it with transformers' "
+                    "save_pretrained, which writes safetensors)") if others else ""
+            raise HFFormatError(f"{path!r} has neither {WEIGHTS_NAME} nor {INDEX_NAME}{hint}")
+        self.files = {}
+        self.where: dict[str, str] = {}
+        for fname in files:
+            handle = safe_open(os.path.join(path, fname), framework="numpy")
+            self.files[fname] = handle
+            for name in handle.keys():
+                self.where[name] = fname
+
+    def names(self) -> set:
+        return set(self.where)
+
+    def shape(self, name: str) -> tuple:
+        return tuple(self.files[self.where[name]].get_slice(name).get_shape())
+
+    def get(self, name: str) -> np.ndarray:
+        return self.files[self.where[name]].get_tensor(name)
+
+
+def _shape_text(spec) -> str:
+    return "[" + ", ".join(f"{n}={label}" for n, label in spec) + "]"
+
+
+def load_hf_params(path: str, config: ModelConfig) -> dict:
+    """Our parameters as a nested dict of numpy arrays (param_dtype), read and checked from `path`."""
+    tensors = _Tensors(path)
+    pd = np.dtype(_np_dtype(config.param_dtype))
+    needed = set()
+    params: dict = {}
+    for p in _param_table(config):
+        spec = p.shape(config)
+        expected = tuple(n for n, _ in spec)
+        names = [p.hf.format(i=i) for i in range(config.num_layers)] if p.per_layer else [p.hf]
+        arrays = []
+        for name in names:
+            needed.add(name)
+            if name not in tensors.where:
+                raise HFFormatError(f"{path!r}: the checkpoint has no tensor {name!r} (expected shape "
+                                    f"{_shape_text(spec)} from config.json)")
+            got = tensors.shape(name)
+            if got != expected:
+                raise HFFormatError(f"{path!r}: tensor {name!r} in {tensors.where[name]} has shape {list(got)}, "
+                                    f"expected {_shape_text(spec)} from config.json")
+            arrays.append(np.ascontiguousarray(p.to_ours(tensors.get(name), config), dtype=pd))
+        value = np.stack(arrays) if p.per_layer else arrays[0]
+        d = params
+        for k in p.ours[:-1]:
+            d = d.setdefault(k, {})
+        d[p.ours[-1]] = value
+    if config.tie_embeddings:
+        needed.add("lm_head.weight")  # tied: transformers uses the embedding, so do we
+    extra = sorted(n for n in tensors.names() - needed if not n.endswith(_IGNORED_SUFFIXES))
+    if extra:
+        shown = ", ".join(repr(n) for n in extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+        raise HFFormatError(f"{path!r}: tensors {shown} have no place in this architecture (a feature not "
+                            "supported here, or a config.json that does not match the weights); refusing to "
+                            "drop weights silently")
+    return params
+
+
+def _np_dtype(name: str):
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
+
+
+def model_from_params(config: ModelConfig, params: dict):
+    """A Decoder for `config` holding `params` (nested dict like nnx.to_pure_dict), shapes checked."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from causal_lm.model.transformer import Decoder
+
+    abstract = nnx.eval_shape(lambda: Decoder(config, nnx.Rngs(params=0)))
+    graphdef, state = nnx.split(abstract)
+    want = nnx.to_pure_dict(state)
+    flat_want = dict(jax.tree_util.tree_flatten_with_path(want)[0])
+    flat_got = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+    if set(flat_want) != set(flat_got):
+        missing = sorted(jax.tree_util.keystr(k) for k in set(flat_want) - set(flat_got))
+        unknown = sorted(jax.tree_util.keystr(k) for k in set(flat_got) - set(flat_want))
+        raise HFFormatError(f"parameters do not match the model: missing {missing}, unexpected {unknown}")
+    for k, w in flat_want.items():
+        if tuple(flat_got[k].shape) != tuple(w.shape):
+            raise HFFormatError(f"parameter {jax.tree_util.keystr(k)} has shape {flat_got[k].shape}, "
+                                f"expected {w.shape}")
+    state.replace_by_pure_dict(jax.tree.map(lambda a, w: jnp.asarray(a, w.dtype), params, want))
+    return nnx.merge(graphdef, state)
+
+
+def load_hf(path: str, *, param_dtype: str = "float32", dtype: Optional[str] = None,
+            max_seq_len: Optional[int] = None, load_tokenizer: bool = True):
+    """Read a local Hugging Face Llama / Mistral / Qwen2 checkpoint folder: (model, tokenizer or None).
+
+    param_dtype: the dtype weights are stored in here (default float32 whatever the file holds, so logits match
+    transformers' float32 ones; "bfloat16" halves memory); dtype: compute dtype (default: param_dtype).
+    max_seq_len: the context to allow (default: max_position_embeddings, capped at a sliding window).
+    The tokenizer is read from tokenizer.json when the folder has one, else None. No network access.
+    """
+    path = os.fspath(path)
+    hf = read_hf_config(path)
+    config = model_config_from_hf(hf, param_dtype=param_dtype, dtype=dtype, max_seq_len=max_seq_len)
+    model = model_from_params(config, load_hf_params(path, config))
+    tokenizer = read_hf_tokenizer(path, hf) if load_tokenizer else None
+    return model, tokenizer
+
+
+def read_hf_tokenizer(path: str, hf: Optional[dict] = None):
+    """The folder's tokenizer.json through the project's tokenizer wrapper, or None when there is none."""
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return None
+    from causal_lm.data import tokenizer as tok_mod
+
+    loader = getattr(tok_mod, "load_tokenizer", None)
+    if loader is None:
+        raise HFFormatError("reading tokenizer.json needs causal_lm.data.tokenizer.load_tokenizer, which this "
+                            "version lacks; pass load_tokenizer=False")
+    return loader(os.path.join(path, "tokenizer.json"))
+
+
+def hf_tensors_from_model(model) -> dict:
+    """{Hugging Face tensor name: numpy array} for a Decoder (weights in the model's param dtype)."""
+    import jax
+    from flax import nnx
+
+    c = model.config
+    hf_config_from_model(c)  # raises if the model cannot be expressed
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    out = {}
+    for p in _param_table(c):
+        a = params
+        for k in p.ours:
+            a = a[k]
+        a = np.asarray(jax.device_get(a))
+        if p.per_layer:
+            for i in range(c.num_layers):
+                out[p.hf.format(i=i)] = np.ascontiguousarray(p.to_hf(a[i], c))
+        else:
+            out[p.hf] = np.ascontiguousarray(p.to_hf(a, c))
+    return out
+
+
+def save_hf(model, tokenizer, out_dir: str, *, architecture: Optional[str] = None) -> str:
+    """Write `model` (and the tokenizer's tokenizer.json, when it has one) as a Hugging Face checkpoint.
+
+    architecture: "llama", "mistral" or "qwen2" (default: qwen2 when the model has q/k/v biases, else llama).
+    Writes config.json, generation_config.json and model.safetensors; `transformers`' from_pretrained loads the
+    folder. Returns out_dir.
+    """
+    from safetensors.numpy import save_file
+
+    c = model.config
+    ids = {k: getattr(tokenizer, k, None) for k in ("bos_id", "eos_id", "pad_id")} if tokenizer is not None else {}
+    ids = {k: (int(v) if v is not None and 0 <= int(v) < c.vocab_size else None) for k, v in ids.items()}
+    cfg = hf_config_from_model(c, architecture, **ids)
+    tensors = hf_tensors_from_model(model)
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, WEIGHTS_NAME), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2, sort_keys=True)
+    gen = {k: v for k, v in (("bos_token_id", cfg["bos_token_id"]), ("eos_token_id", cfg["eos_token_id"]),
+                             ("pad_token_id", cfg["pad_token_id"])) if v is not None}
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump(gen, f, indent=2, sort_keys=True)
+    if tokenizer is not None:
+        _save_tokenizer_json(tokenizer, out_dir)
+    return out_dir
+
+
+def _save_tokenizer_json(tokenizer, out_dir: str) -> None:
+    """tokenizer.json for tokenizers that have one (the wrapper's save_tokenizer_json, or its `tokenizers`
+    object); byte/char tokenizers have no tokenizer.json form and are skipped."""
+    saver = getattr(tokenizer, "save_tokenizer_json", None)
+    if saver is not None:
+        saver(os.path.join(out_dir, "tokenizer.json"))
+        return
+    inner = getattr(tokenizer, "tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
+    if inner is not None and hasattr(inner, "to_str"):
+        with open(os.path.join(out_dir, "tokenizer.json"), "w") as f:
+            f.write(inner.to_str())
