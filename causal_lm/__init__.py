@@ -5,9 +5,10 @@ from causal_lm.config import (Config, ConfigError, DataConfig, MeshConfig, Model
 from causal_lm.decode import GenerateError, GenerateResult, generate
 from causal_lm.model import CacheError, Decoder, InputError, KVCache, build_model, init_cache
 from causal_lm.model.functional import forward
+from causal_lm.interop.hf import HFFormatError, load_hf, save_hf
 
 __version__ = "0.1.0"
 
 __all__ = ["Config", "ConfigError", "DataConfig", "MeshConfig", "ModelConfig", "TrainConfig", "apply_overrides",
            "load_config", "GenerateError", "GenerateResult", "generate", "CacheError", "Decoder", "InputError",
-           "KVCache", "build_model", "init_cache", "forward"]
+           "KVCache", "build_model", "init_cache", "forward", "HFFormatError", "load_hf", "save_hf"]
