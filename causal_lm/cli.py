@@ -13,6 +13,7 @@ import sys
 COMMANDS = [
     "causal_lm.commands.info",
     "causal_lm.commands.generate",
+    "causal_lm.commands.kv_bytes",
 ]
 
 

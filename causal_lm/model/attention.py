@@ -7,6 +7,7 @@ Shape letters, used in every `# [...]` comment of the package:
 The one invariant (see DESIGN.md): for query i and key j of the same row,
 
     visible[b, i, j] = key_valid[b, j] & (key_pos[b, j] <= query_pos[b, i]) & same_segment[b, i, j]
+                       (& query_pos[b, i] - key_pos[b, j] < window, for a sliding-window layer)
 
 Training (positions 0..T-1), one-shot and chunked prefill (a chunk at offset o sees keys 0..o+i: the
 `tril(diagonal=o)` case falls out of the positions), single-token decode, ragged batches and packed documents
@@ -29,11 +30,19 @@ from causal_lm.model.rope import apply_rope
 MASK_VALUE = -1e30
 
 
-def make_mask(query_pos, key_pos, key_valid, query_segment=None, key_segment=None, *, causal: bool = True):
-    """Boolean visibility [B, T, S] from positions [B, T] / [B, S], key validity [B, S] and optional segments."""
+def make_mask(query_pos, key_pos, key_valid, query_segment=None, key_segment=None, *, causal: bool = True,
+              window=None):
+    """Boolean visibility [B, T, S] from positions [B, T] / [B, S], key validity [B, S] and optional segments.
+
+    window: a sliding window (int, or a traced int32 scalar when layers differ); a query at position p then sees
+    keys at p - window + 1 .. p. None or 0 means no window (a global layer).
+    """
     visible = key_valid[:, None, :]  # [B, 1, S]
     if causal:
         visible = visible & (key_pos[:, None, :] <= query_pos[:, :, None])  # [B, T, S]
+    if window is not None and not (isinstance(window, int) and window == 0):
+        within = (query_pos[:, :, None] - key_pos[:, None, :]) < window  # [B, T, S]
+        visible = visible & (within | (window <= 0))
     if query_segment is not None and key_segment is not None:
         visible = visible & (key_segment[:, None, :] == query_segment[:, :, None])
     return jnp.broadcast_to(visible, (query_pos.shape[0], query_pos.shape[1], key_pos.shape[1]))
@@ -53,6 +62,17 @@ def attention_weights(q, k, visible, *, sink=None, zero_after=None):
     q = q.reshape(B, T, K, G, H)
     scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)  # [B, K, G, T, S]
     scores = scores * (1.0 / jnp.sqrt(jnp.float32(H)))
+    return masked_softmax(scores, visible, sink=sink, zero_after=zero_after)
+
+
+def masked_softmax(scores, visible, *, sink=None, zero_after=None):
+    """Float32 softmax of scaled scores [B, K, G, T, S] over the visible keys (visible: [B, T, S]).
+
+    sink: optional [K*G] logits that join the denominator only. Shared by every attention form (MHA/GQA/MQA and
+    both MLA paths), so the mask value, the sink and the empty-row rule live in one place.
+    """
+    scores = scores.astype(jnp.float32)
+    _, K, G, _, _ = scores.shape
     vis = visible[:, None, None, :, :]  # [B, 1, 1, T, S]
     scores = jnp.where(vis, scores, MASK_VALUE)
     row_max = jnp.max(scores, axis=-1, keepdims=True)  # [B, K, G, T, 1]

@@ -1,4 +1,4 @@
-"""The KV cache as explicit data: K and V at the KV-head count, plus one length per row.
+"""The KV cache as explicit data: K and V at the KV-head count (MLA: latent + rope key), plus one length per row.
 
 Why a cache is exact: under the causal mask, token j's K and V depend only on tokens 0..j, so tokens that
 arrive later never change them. Each step therefore computes K/V for the new tokens only and reads the old ones.
@@ -7,6 +7,11 @@ Layout: right padding. Row b holds its tokens in slots 0..lengths[b]-1, slot ind
 its chunk at slot lengths[b] of each row (one `lax.dynamic_update_slice` per row, vmapped), and the mask makes
 slots >= the new length invisible. `dynamic_update_slice` clamps an out-of-range start silently, so capacity is
 checked on the host (`check_capacity`) before anything runs.
+
+Two cache classes share that layout and API (`lengths`, `max_len`, `batch_size`, `bytes_per_token`, `total_bytes`,
+and `buffers` / `with_buffers`, the per-layer arrays the decoder scans over):
+    KVCache   k, v [L, B, S, K, H]           MHA / GQA / MQA
+    MLACache  latent [L, B, S, kv_lora_rank], rope_key [L, B, S, qk_rope_head_dim]   MLA
 """
 
 from __future__ import annotations
@@ -50,6 +55,48 @@ class KVCache:
     def total_bytes(self) -> int:
         return int(self.k.nbytes + self.v.nbytes + self.lengths.nbytes)
 
+    @property
+    def buffers(self) -> tuple:
+        """The per-layer arrays, each [L, B, S, ...]."""
+        return (self.k, self.v)
+
+    def with_buffers(self, buffers, lengths) -> "KVCache":
+        return KVCache(k=buffers[0], v=buffers[1], lengths=lengths)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class MLACache:
+    """MLA's cache: per token and layer only the (normalised) KV latent and the one RoPE key all heads share."""
+
+    latent: jax.Array  # [L, B, S, R]
+    rope_key: jax.Array  # [L, B, S, Hr] (already rotated; Hr = 0 without RoPE)
+    lengths: jax.Array  # [B] int32
+
+    @property
+    def max_len(self) -> int:
+        return self.latent.shape[2]
+
+    @property
+    def batch_size(self) -> int:
+        return self.latent.shape[1]
+
+    @property
+    def bytes_per_token(self) -> int:
+        L, _, _, R = self.latent.shape
+        return L * (R * self.latent.dtype.itemsize + self.rope_key.shape[-1] * self.rope_key.dtype.itemsize)
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.latent.nbytes + self.rope_key.nbytes + self.lengths.nbytes)
+
+    @property
+    def buffers(self) -> tuple:
+        return (self.latent, self.rope_key)
+
+    def with_buffers(self, buffers, lengths) -> "MLACache":
+        return MLACache(latent=buffers[0], rope_key=buffers[1], lengths=lengths)
+
 
 def require_causal(config: ModelConfig) -> None:
     if config.attention_mask != "causal":
@@ -59,12 +106,18 @@ def require_causal(config: ModelConfig) -> None:
             "wrong. Use generate(..., use_cache=False) for this model.")
 
 
-def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype: Optional[str] = None) -> KVCache:
-    """An empty cache for `batch_size` rows of up to `max_len` tokens, stored at the KV-head count."""
+def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype: Optional[str] = None):
+    """An empty cache for `batch_size` rows of up to `max_len` tokens, stored at the KV-head count
+    (a KVCache), or for MLA the latent and rope key (an MLACache). Sliding-window layers keep full length."""
     require_causal(config)
     if batch_size <= 0 or max_len <= 0:
         raise CacheError(f"batch_size and max_len must be positive, got {batch_size} and {max_len}")
     dt = jnp.dtype(dtype or config.dtype)
+    if config.attention_type == "mla":
+        L = config.num_layers
+        return MLACache(latent=jnp.zeros((L, batch_size, max_len, config.kv_lora_rank), dt),
+                        rope_key=jnp.zeros((L, batch_size, max_len, config.rope_dim), dt),
+                        lengths=jnp.zeros((batch_size,), jnp.int32))
     shape = (config.num_layers, batch_size, max_len, config.kv_heads, config.head_size)
     return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt), lengths=jnp.zeros((batch_size,), jnp.int32))
 
@@ -79,7 +132,7 @@ def write_rows(buf, new, starts):
     return jax.vmap(one)(buf, new, starts)
 
 
-def check_capacity(cache: KVCache, num_new: int) -> None:
+def check_capacity(cache, num_new: int) -> None:
     """Raise before compute if writing `num_new` slots at each row's length would run past the end."""
     lengths = np.asarray(jax.device_get(cache.lengths))
     worst = int(lengths.max()) + num_new if lengths.size else num_new

@@ -16,6 +16,7 @@ from flax import nnx
 from causal_lm.config import ModelConfig
 from causal_lm.model.attention import Attention, _normal, make_mask
 from causal_lm.model.kv_cache import KVCache, check_capacity, require_causal
+from causal_lm.model.mla import MLAttention
 from causal_lm.model.rope import rope_tables
 
 
@@ -54,7 +55,7 @@ class Block(nnx.Module):
     def __init__(self, c: ModelConfig, rngs: nnx.Rngs):
         pd = jnp.dtype(c.param_dtype)
         self.attn_norm = RMSNorm(c.d_model, c.norm_eps, pd)
-        self.attn = Attention(c, rngs)
+        self.attn = MLAttention(c, rngs) if c.attention_type == "mla" else Attention(c, rngs)
         self.mlp_norm = RMSNorm(c.d_model, c.norm_eps, pd)
         self.mlp = MLP(c, rngs)
 
@@ -183,12 +184,18 @@ class Decoder(nnx.Module):
             key_valid = key_pos < new_lengths[:, None]
             q_seg = k_seg = None
 
-        visible_causal = make_mask(positions, key_pos, key_valid, q_seg, k_seg, causal=True)
-        if c.attention_mask == "causal":
-            visible, zero_after = visible_causal, None
-        else:
+        def masks(window=None):
+            """(visible, zero_after) for a layer with this sliding window (None/0: global)."""
+            visible_causal = make_mask(positions, key_pos, key_valid, q_seg, k_seg, causal=True, window=window)
+            if c.attention_mask == "causal":
+                return visible_causal, None
             visible = make_mask(positions, key_pos, key_valid, q_seg, k_seg, causal=False)
-            zero_after = visible_causal if c.attention_mask == "causal_after_softmax" else None
+            return visible, (visible_causal if c.attention_mask == "causal_after_softmax" else None)
+
+        # Sliding windows: one mask for all layers when they share a window; otherwise each layer builds its own
+        # inside the scan from its window (a traced scalar), so the stacked layers still scan as one body.
+        windows = c.layer_windows
+        visible, zero_after = masks(windows[0] if len(set(windows)) == 1 else None)
 
         x = self.embed[...].astype(dt)[tokens]  # [B, T, D]
         if c.position == "learned":
@@ -198,30 +205,34 @@ class Decoder(nnx.Module):
         if c.position == "rope":
             cos, sin = rope_tables(positions, c.rope_dim, c.rope_theta)
         ctx = dict(cos=cos, sin=sin, visible=visible, zero_after=zero_after, starts=starts,
-                   return_weights=return_weights)
+                   return_weights=return_weights, masks=masks if len(set(windows)) > 1 else None)
 
-        x, new_kv, weights = self._run_blocks(x, ctx, None if cache is None else (cache.k, cache.v))
+        x, new_kv, weights = self._run_blocks(x, ctx, None if cache is None else cache.buffers)
         x = self.final_norm(x)
         head = self.embed[...].T if c.tie_embeddings else self.lm_head[...]
         logits = jnp.einsum("btd,dv->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
         new_cache = None
         if cache is not None:
-            new_cache = KVCache(k=new_kv[0], v=new_kv[1], lengths=new_lengths)
+            new_cache = cache.with_buffers(new_kv, new_lengths)
         return logits, new_cache, weights
 
     def _run_blocks(self, x, ctx, kv):
         c = self.config
         graphdef, state = nnx.split(self.blocks)
+        windows = jnp.asarray(c.layer_windows, jnp.int32)  # [L]
 
         def body(carry, layer_state):
             x, kv, i = carry
             layer_cache = None
             if kv is not None:
-                layer_cache = (kv[0][i], kv[1][i])
-            x, new_layer, w = nnx.merge(graphdef, layer_state)(x, ctx, layer_cache)
+                layer_cache = tuple(buf[i] for buf in kv)  # (k, v) or MLA's (latent, rope_key)
+            layer_ctx = ctx
+            if ctx["masks"] is not None:  # layers differ in their sliding window
+                visible, zero_after = ctx["masks"](windows[i])
+                layer_ctx = dict(ctx, visible=visible, zero_after=zero_after)
+            x, new_layer, w = nnx.merge(graphdef, layer_state)(x, layer_ctx, layer_cache)
             if kv is not None:
-                kv = (jax.lax.dynamic_update_index_in_dim(kv[0], new_layer[0], i, 0),
-                      jax.lax.dynamic_update_index_in_dim(kv[1], new_layer[1], i, 0))
+                kv = tuple(jax.lax.dynamic_update_index_in_dim(buf, new, i, 0) for buf, new in zip(kv, new_layer))
             return (x, kv, i + 1), w
 
         if c.remat:
