@@ -23,10 +23,10 @@ and reshapes, no permutation:
     model.norm.weight         [D]        ->  final_norm.scale [D]
     lm_head.weight            [V, D]     ->  lm_head [D, V]  (absent when tied)
 
-Anything the model here does not compute (RoPE scaling, a sliding window shorter than the context, biases on
-o_proj or the MLP, another activation) is refused with an error that names the setting, never loaded
-approximately. A Mistral/Qwen2 sliding window is exact for sequences no longer than the window, so the loaded
-model's max_seq_len is capped at the window instead.
+Mistral's sliding window and Qwen2's per-layer windows (`layer_types`) map onto `sliding_window` and
+`layer_pattern`, which use transformers' rule (query i sees keys i - window + 1 .. i). Anything the model here
+does not compute (RoPE scaling, biases on o_proj or the MLP, another activation) is refused with an error that
+names the setting, never loaded approximately.
 """
 
 from __future__ import annotations
@@ -114,23 +114,26 @@ def _rope(hf: dict) -> float:
     return float(theta)
 
 
-def _sliding_window(hf: dict, arch: str, num_layers: int) -> Optional[int]:
-    """The window some layer applies, or None when every layer attends to the whole context."""
+def _sliding_windows(hf: dict, arch: str, num_layers: int) -> tuple:
+    """Per layer: the sliding window transformers applies (0 = full causal attention)."""
     window = hf.get("sliding_window")
-    if window is None:
-        return None
-    if arch == "LlamaForCausalLM":
-        return None  # Llama has no sliding window; the key is ignored by transformers too
+    if window is None or arch == "LlamaForCausalLM":  # Llama has no window; transformers ignores the key too
+        return (0,) * num_layers
+    if not isinstance(window, int) or window <= 0:
+        raise HFFormatError(f"config.json: sliding_window={window!r} is not a positive integer or null")
     layer_types = hf.get("layer_types")
     if arch == "Qwen2ForCausalLM":
         if not hf.get("use_sliding_window", False):
-            return None
-        if layer_types is None:
+            return (0,) * num_layers
+        if layer_types is None:  # transformers' rule: layers from max_window_layers on are windowed
             first = hf.get("max_window_layers", 28)
             layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
-    if layer_types is not None and "sliding_attention" not in layer_types:
-        return None
-    return int(window)
+    if layer_types is None:
+        return (window,) * num_layers  # Mistral: every layer
+    if len(layer_types) != num_layers or set(layer_types) - {"sliding_attention", "full_attention"}:
+        raise HFFormatError(f"config.json: layer_types={layer_types!r}; expected {num_layers} entries, each "
+                            "'sliding_attention' or 'full_attention'")
+    return tuple(window if t == "sliding_attention" else 0 for t in layer_types)
 
 
 def model_config_from_hf(hf: dict, *, param_dtype: str = "float32", dtype: Optional[str] = None,
@@ -153,25 +156,20 @@ def model_config_from_hf(hf: dict, *, param_dtype: str = "float32", dtype: Optio
     D, N, L = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]
     K = hf.get("num_key_value_heads") or N
     H = hf.get("head_dim") or D // N
-    context = int(hf.get("max_position_embeddings", 2048))
-    window = _sliding_window(hf, arch, L)
-    if window is not None and window < context:
-        # transformers lets query i see keys j with i - j < window: identical to full causal attention for any
-        # sequence of at most `window` tokens, so cap the context rather than implement the window.
-        context = window
-    if max_seq_len is not None:
-        if window is not None and max_seq_len > window:
-            raise HFFormatError(f"max_seq_len={max_seq_len} exceeds the checkpoint's sliding_window={window}; "
-                                "sliding-window attention is not implemented here, so the longest exact context "
-                                f"is {window}")
-        context = int(max_seq_len)
+    context = int(max_seq_len or hf.get("max_position_embeddings", 2048))
+    # transformers' window: query i sees keys j with i - j < window, the same rule as model.sliding_window here.
+    # A window no shorter than the context never hides a key, so it is dropped.
+    windows = [w if w < context else 0 for w in _sliding_windows(hf, arch, L)]
+    window = max(windows)
+    pattern = "" if all(windows) or not window else ",".join("local" if w else "global" for w in windows)
     eps = hf.get("rms_norm_eps", 1e-6)
     tie = hf.get("tie_word_embeddings", False)  # the default of all three config classes
     try:
         return ModelConfig(
             vocab_size=hf["vocab_size"], d_model=D, num_layers=L, num_heads=N, num_kv_heads=K, head_dim=H,
             mlp_dim=hf["intermediate_size"], max_seq_len=context, position="rope", rope_theta=_rope(hf),
-            rope_fraction=1.0, qkv_bias=(arch == "Qwen2ForCausalLM"), tie_embeddings=bool(tie),
+            rope_fraction=1.0, sliding_window=window, layer_pattern=pattern,
+            qkv_bias=(arch == "Qwen2ForCausalLM"), tie_embeddings=bool(tie),
             norm_eps=float(eps), param_dtype=param_dtype, dtype=dtype or param_dtype)
     except ValueError as e:
         raise HFFormatError(f"config.json describes a model this project cannot build: {e}") from None
@@ -241,7 +239,9 @@ def hf_config_from_model(c: ModelConfig, architecture: Optional[str] = None, *, 
     elif arch == "MistralForCausalLM":
         out.update(sliding_window=window)
     else:
-        out.update(use_sliding_window=window is not None, sliding_window=window, max_window_layers=c.num_layers,
+        # max_window_layers (the first windowed layer) is what transformers 4.x reads; 5.x reads layer_types.
+        first = next((i for i, w in enumerate(windows) if w), c.num_layers)
+        out.update(use_sliding_window=window is not None, sliding_window=window, max_window_layers=first,
                    layer_types=["sliding_attention" if w else "full_attention" for w in windows])
     return out
 
@@ -424,7 +424,7 @@ def model_from_params(config: ModelConfig, params: dict):
         if tuple(flat_got[k].shape) != tuple(w.shape):
             raise HFFormatError(f"parameter {jax.tree_util.keystr(k)} has shape {flat_got[k].shape}, "
                                 f"expected {w.shape}")
-    state.replace_by_pure_dict(jax.tree.map(lambda a, w: jnp.asarray(a, w.dtype), params, want))
+    nnx.replace_by_pure_dict(state, jax.tree.map(lambda a, w: jnp.asarray(a, w.dtype), params, want))
     return nnx.merge(graphdef, state)
 
 
@@ -434,7 +434,7 @@ def load_hf(path: str, *, param_dtype: str = "float32", dtype: Optional[str] = N
 
     param_dtype: the dtype weights are stored in here (default float32 whatever the file holds, so logits match
     transformers' float32 ones; "bfloat16" halves memory); dtype: compute dtype (default: param_dtype).
-    max_seq_len: the context to allow (default: max_position_embeddings, capped at a sliding window).
+    max_seq_len: the context to allow (default: the checkpoint's max_position_embeddings).
     The tokenizer is read from tokenizer.json when the folder has one, else None. No network access.
     """
     path = os.fspath(path)
@@ -445,17 +445,34 @@ def load_hf(path: str, *, param_dtype: str = "float32", dtype: Optional[str] = N
     return model, tokenizer
 
 
-def read_hf_tokenizer(path: str, hf: Optional[dict] = None):
-    """The folder's tokenizer.json through the project's tokenizer wrapper, or None when there is none."""
-    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
-        return None
-    from causal_lm.data import tokenizer as tok_mod
+def _special_ids(path: str, hf: dict) -> dict:
+    """bos/eos/pad ids the checkpoint declares (generation_config.json over config.json); a list of EOS ids
+    (Llama 3 instruct) gives its first."""
+    ids = {k: hf.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    gen_path = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_path):
+        with open(gen_path) as f:
+            gen = json.load(f)
+        ids.update({k: gen[k] for k in ids if gen.get(k) is not None})
+    out = {}
+    for k, v in ids.items():
+        if isinstance(v, list):
+            v = v[0] if v else None
+        out[k.replace("_token", "")] = int(v) if isinstance(v, int) else None
+    return out  # {"bos_id": ..., "eos_id": ..., "pad_id": ...}
 
-    loader = getattr(tok_mod, "load_tokenizer", None)
-    if loader is None:
-        raise HFFormatError("reading tokenizer.json needs causal_lm.data.tokenizer.load_tokenizer, which this "
-                            "version lacks; pass load_tokenizer=False")
-    return loader(os.path.join(path, "tokenizer.json"))
+
+def read_hf_tokenizer(path: str, hf: Optional[dict] = None):
+    """The folder's tokenizer.json as the project's HFTokenizer (special ids from the checkpoint's configs), or
+    None when the folder has no tokenizer.json."""
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(file):
+        return None
+    from causal_lm.data.tokenizer import HFTokenizer
+
+    with open(file, encoding="utf-8") as f:
+        text = f.read()
+    return HFTokenizer(text, source=file, **_special_ids(path, hf if hf is not None else read_hf_config(path)))
 
 
 def hf_tensors_from_model(model) -> dict:
@@ -507,14 +524,63 @@ def save_hf(model, tokenizer, out_dir: str, *, architecture: Optional[str] = Non
     return out_dir
 
 
-def _save_tokenizer_json(tokenizer, out_dir: str) -> None:
-    """tokenizer.json for tokenizers that have one (the wrapper's save_tokenizer_json, or its `tokenizers`
-    object); byte/char tokenizers have no tokenizer.json form and are skipped."""
-    saver = getattr(tokenizer, "save_tokenizer_json", None)
-    if saver is not None:
-        saver(os.path.join(out_dir, "tokenizer.json"))
-        return
-    inner = getattr(tokenizer, "tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
-    if inner is not None and hasattr(inner, "to_str"):
-        with open(os.path.join(out_dir, "tokenizer.json"), "w") as f:
-            f.write(inner.to_str())
+def _save_tokenizer_json(tokenizer, out_dir: str) -> bool:
+    """Write tokenizer.json for `tokenizer`: a tokenizers-library one as it is, the byte tokenizer as an
+    equivalent byte-level BPE without merges. Returns False for tokenizers with no tokenizer.json form."""
+    d = tokenizer.to_dict() if hasattr(tokenizer, "to_dict") else {}
+    if d.get("kind") == "hf":
+        text = d["json"]
+    elif d.get("kind") == "byte":
+        text = byte_tokenizer_json(tokenizer)
+    else:
+        return False
+    with open(os.path.join(out_dir, "tokenizer.json"), "w", encoding="utf-8") as f:
+        f.write(text)
+    # tokenizer_config.json: load it as the plain fast tokenizer it is (a model_type-specific class such as
+    # LlamaTokenizerFast could add its own normalisation or BOS handling) and name the special tokens.
+    from tokenizers import Tokenizer
+
+    inner = Tokenizer.from_str(text)
+    tc: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    for key, attr in (("bos_token", "bos_id"), ("eos_token", "eos_id"), ("pad_token", "pad_id")):
+        i = getattr(tokenizer, attr, None)
+        if i is not None and inner.id_to_token(int(i)) is not None:
+            tc[key] = inner.id_to_token(int(i))
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(tc, f, indent=2, ensure_ascii=False)
+    return True
+
+
+def byte_tokenizer_json(tokenizer) -> str:
+    """tokenizer.json text equal to the project's ByteTokenizer: id b = byte b (a BPE over byte-level
+    characters with no merges), then <s>, </s>, <pad> at its bos/eos/pad ids."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()  # the 256 printable stand-ins GPT-2's byte-level BPE uses for bytes
+    # Order them by the byte they stand for: byte b -> id b.
+    byte_to_char = _bytes_to_unicode()
+    assert sorted(byte_to_char.values()) == sorted(alphabet)
+    vocab = {byte_to_char[b]: b for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = sorted([(tokenizer.bos_id, "<s>"), (tokenizer.eos_id, "</s>"), (tokenizer.pad_id, "<pad>")])
+    if [i for i, _ in specials] != list(range(256, 256 + len(specials))):
+        raise HFFormatError(f"byte tokenizer special ids {specials} are not 256, 257, 258")
+    tok.add_special_tokens([AddedToken(name, special=True, normalized=False) for _, name in specials])
+    return tok.to_str()
+
+
+def _bytes_to_unicode() -> dict:
+    """GPT-2's reversible byte -> printable character map (what tokenizers' ByteLevel uses)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + \
+        list(range(ord("\xae"), ord("\xff") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
