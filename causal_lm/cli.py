@@ -13,7 +13,11 @@ import sys
 COMMANDS = [
     "causal_lm.commands.info",
     "causal_lm.commands.generate",
+    "causal_lm.commands.train",
+    "causal_lm.commands.eval",
+    "causal_lm.commands.plot",
     "causal_lm.commands.kv_bytes",
+    "causal_lm.commands.convert",
 ]
 
 

@@ -252,6 +252,7 @@ class DataConfig:
     text_field: str = "text"
     val_fraction: float = 0.05
     max_documents: int = 0  # 0 = all
+    streaming: bool = False  # stream local files instead of loading them (hub datasets always stream)
 
     def __post_init__(self):
         _check(0.0 < self.val_fraction < 1.0, f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
@@ -277,8 +278,12 @@ class TrainConfig:
     checkpoint_every: int = 100
     keep_checkpoints: int = 2
     seed: int = 0
-    sample_tokens: int = 48
+    sample_tokens: int = 48  # tokens sampled through the KV cache at each eval (0 = no sample)
     sample_prompt: str = "The "
+    sample_temperature: float = 0.8
+    compute_dtype: str = "auto"  # "auto": bfloat16 on GPU/TPU, model.dtype on CPU; or a dtype overriding model.dtype
+    peak_flops: float = 0.0  # per-device peak FLOP/s for MFU; 0 = known accelerator table, else a measured matmul
+    progress: bool = True  # tqdm progress bar on an interactive terminal (log lines otherwise)
 
     def __post_init__(self):
         for name in ("steps", "batch_size", "seq_len", "microbatches", "eval_every", "log_every",
@@ -289,6 +294,14 @@ class TrainConfig:
                f"train.batch_size={self.batch_size} must be divisible by train.microbatches={self.microbatches}")
         _check(self.learning_rate > 0, f"train.learning_rate must be positive, got {self.learning_rate}")
         _check(self.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
+        _check(0.0 <= self.min_lr_ratio <= 1.0, f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        _check(self.weight_decay >= 0, f"train.weight_decay must be >= 0, got {self.weight_decay}")
+        _check(self.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 = no clipping), got {self.grad_clip}")
+        _check(self.sample_tokens >= 0, f"train.sample_tokens must be >= 0, got {self.sample_tokens}")
+        _check(self.sample_temperature >= 0, f"train.sample_temperature must be >= 0, got {self.sample_temperature}")
+        _check(self.compute_dtype == "auto" or self.compute_dtype in DTYPES,
+               f"train.compute_dtype must be 'auto' or one of {DTYPES}, got {self.compute_dtype!r}")
+        _check(self.peak_flops >= 0, f"train.peak_flops must be >= 0, got {self.peak_flops}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -404,3 +417,29 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> Co
         if not isinstance(config, Config):
             raise ConfigError(f"{path}: get_config() must return causal_lm.Config or ModelConfig, got {type(config)}")
     return apply_overrides(config, overrides)
+
+
+# ---- serialisation (checkpoints, config.json) --------------------------------------------------------------
+
+def config_to_dict(config: Config) -> dict:
+    """A JSON-able dict of every section and field."""
+    return dataclasses.asdict(config)
+
+
+def config_from_dict(d: dict) -> Config:
+    """The inverse of `config_to_dict`; fields missing from `d` take their defaults, unknown ones are an error."""
+    sections = {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]
+    unknown = set(d) - set(sections)
+    if unknown:
+        raise ConfigError(f"unknown config section(s) {sorted(unknown)}; valid: {sorted(sections)}")
+    built = {}
+    for name, factory in sections.items():
+        cls = type(factory())
+        values = dict(d.get(name, {}))
+        names = {f.name for f in dataclasses.fields(cls)}
+        bad = sorted(set(values) - names)
+        if bad:
+            raise ConfigError(f"unknown config key(s) {', '.join(f'{name}.{k}' for k in bad)}; valid keys: "
+                              f"{', '.join(f'{name}.{k}' for k in sorted(names))}")
+        built[name] = cls(**values)
+    return Config(**built)

@@ -1,0 +1,184 @@
+"""What people watch: FLOP counts and MFU, metrics.jsonl + TensorBoard event files, loss-curve plots.
+
+FLOPs (explicit count, the PaLM-appendix convention): a forward pass costs 2 FLOPs per matmul weight per token
+(every weight matrix, the LM head included even when tied to the embedding; embedding lookups, norms and biases
+are not matmuls) plus the attention products, 2 * N * (H_qk + H_v) FLOPs per layer per attended key. Under the
+causal mask query i attends to i+1 keys, (T+1)/2 on average: the attention term is HALVED against full
+attention (a sliding window caps each query's keys at the window). Training costs 3x the forward pass (backward = 2x forward); recomputation under remat is
+not counted, which is what makes this *model* FLOPs utilisation.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from typing import Optional
+
+import numpy as np
+
+from causal_lm.config import ModelConfig
+from causal_lm.train.state import decays, param_shapes
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def forward_flops_per_token(model_config: ModelConfig, params, seq_len: int) -> float:
+    """Forward-pass FLOPs per token of a `seq_len`-token row (see the module docstring)."""
+    c = model_config
+    matmul = 0
+    for name, shape in param_shapes(params).items():
+        path = tuple(name.split("."))
+        if path[-1] in ("embed", "pos_embed") or not decays(path):
+            continue
+        matmul += int(np.prod(shape))
+    if c.tie_embeddings:
+        matmul += c.d_model * c.vocab_size  # the LM head reuses the embedding as a matmul
+    qk_dim = c.qk_nope_dim + c.rope_dim if c.attention_type == "mla" else c.head_size
+    v_dim = c.v_dim
+    i = np.arange(seq_len)
+    keys = 0.0  # attended keys per query, summed over layers
+    for window in getattr(c, "layer_windows", (0,) * c.num_layers):
+        if c.attention_mask != "causal":  # no mask, or masked after a full softmax: every key's score is computed
+            visible = np.full(seq_len, seq_len if not window else min(window, seq_len))
+        else:  # causal: query i sees i+1 keys (at most the window), on average (T+1)/2 ~ half of full attention
+            visible = np.minimum(i + 1, window) if window else i + 1
+        keys += float(visible.mean())
+    attention = 2 * c.num_heads * (qk_dim + v_dim) * keys
+    return 2.0 * matmul + attention
+
+
+def train_flops_per_token(model_config: ModelConfig, params, seq_len: int) -> float:
+    return 3.0 * forward_flops_per_token(model_config, params, seq_len)
+
+
+# Dense peak FLOP/s per chip for the compute dtypes used here (vendor datasheets).
+_PEAK = {  # device_kind substring -> {dtype: FLOP/s}
+    "H200": {"bfloat16": 989e12, "float32": 67e12},
+    "H100": {"bfloat16": 989e12, "float32": 67e12},
+    "A100": {"bfloat16": 312e12, "float32": 19.5e12},
+    "TPU v4": {"bfloat16": 275e12},
+    "TPU v5 lite": {"bfloat16": 197e12},
+    "TPU v5e": {"bfloat16": 197e12},
+    "TPU v5p": {"bfloat16": 459e12},
+    "TPU v6": {"bfloat16": 918e12},
+}
+
+
+@functools.lru_cache(maxsize=4)
+def peak_flops(dtype: str = "float32") -> tuple[float, str]:
+    """(peak FLOP/s of one device, where the number comes from): the datasheet for known accelerators, else a
+    measured large matmul in `dtype` (on a CPU there is no honest datasheet number)."""
+    import jax
+    import jax.numpy as jnp
+
+    dev = jax.devices()[0]
+    for key, table in _PEAK.items():
+        if key.lower() in dev.device_kind.lower() and dtype in table:
+            return table[dtype], f"datasheet {dev.device_kind}"
+    n = 1024 if dev.platform == "cpu" else 8192
+    a = jnp.ones((n, n), dtype)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    reps, t0 = 0, time.perf_counter()
+    while reps < 3 or time.perf_counter() - t0 < 0.3:
+        f(a).block_until_ready()
+        reps += 1
+    return 2 * n ** 3 * reps / (time.perf_counter() - t0), f"measured {n}x{n} {dtype} matmul"
+
+
+# ---- metrics files -----------------------------------------------------------------------------------------
+
+class MetricsWriter:
+    """One JSON object per logged step in `workdir/metrics.jsonl`, and TensorBoard scalars in `workdir/tb`.
+
+    On resume from step s, lines for steps > s (written by the interrupted run after its last checkpoint) are
+    dropped so the file reads as one uninterrupted run; TensorBoard is told the same with `purge_step`.
+    """
+
+    def __init__(self, workdir: str, start_step: int = 0, tensorboard: bool = True):
+        self.path = os.path.join(workdir, METRICS_FILE)
+        if os.path.exists(self.path):
+            kept = [r for r in read_metrics(workdir) if r.get("step", 0) <= start_step]
+            tmp = self.path + ".tmp"
+            with open(tmp, "w") as f:
+                for r in kept:
+                    f.write(json.dumps(r) + "\n")
+            os.replace(tmp, self.path)
+        self._f = open(self.path, "a")
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(os.path.join(workdir, "tb"), purge_step=start_step + 1 if start_step else None)
+
+    def write(self, record: dict) -> None:
+        self._f.write(json.dumps(record) + "\n")
+        self._f.flush()
+        if self._tb is not None:
+            step = record["step"]
+            for k, v in record.items():
+                if k == "step":
+                    continue
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self._tb.add_scalar(k if "/" in k else ("eval/" if k.startswith("val_") else "train/") + k,
+                                        v, step)
+                elif isinstance(v, str) and k == "sample":
+                    self._tb.add_text("sample", v, step)
+            self._tb.flush()
+
+    def close(self) -> None:
+        self._f.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(workdir: str) -> list[dict]:
+    """The records of `workdir/metrics.jsonl` (a torn last line from a killed process is skipped)."""
+    path = os.path.join(workdir, METRICS_FILE)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path} does not exist: has training run in {workdir!r}?")
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return out
+
+
+def plot_metrics(workdir: str, out: Optional[str] = None) -> str:
+    """Loss curves (train loss and validation loss against step, learning rate below) as a PNG; returns its
+    path (default `workdir/loss.png`)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(workdir)
+    if not records:
+        raise ValueError(f"{os.path.join(workdir, METRICS_FILE)} holds no records yet")
+    out = out or os.path.join(workdir, "loss.png")
+    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    lr = [(r["step"], r["lr"]) for r in records if "lr" in r]
+    fig, (ax, ax_lr) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    if train:
+        ax.plot(*zip(*train), label="train loss")
+    if val:
+        ax.plot(*zip(*val), "o-", label="validation loss")
+    ax.set_ylabel("loss (nats / token)")
+    ax.set_title(f"{os.path.basename(os.path.abspath(workdir))}: loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    if lr:
+        ax_lr.plot(*zip(*lr), color="gray")
+    ax_lr.set_ylabel("learning rate")
+    ax_lr.set_xlabel("step")
+    ax_lr.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

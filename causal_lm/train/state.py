@@ -1,0 +1,113 @@
+"""The train state and the optimizer: AdamW, linear warmup + cosine decay, global-norm clipping, decay mask.
+
+The state is a plain pytree of arrays, so it can be jitted, donated and checkpointed as is:
+
+    params      nested dict of parameter arrays (the model's `nnx.Param`s as a pure dict)
+    opt_state   optax state over params
+    step        int32: optimizer steps applied
+    rng         uint32 [2]: advanced every step; the eval-time sample draws from it
+    bad_step    int32: 0, or the first step whose loss, gradient or update was non-finite (that update and
+                every later one is skipped, so the state stays the last finite one)
+
+The model's graph definition is not in the state: `nnx.merge(graphdef, params)` rebuilds the module inside jit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from causal_lm.config import ModelConfig, TrainConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TrainState:
+    params: Any
+    opt_state: Any
+    step: jax.Array
+    rng: jax.Array
+    bad_step: jax.Array
+
+
+def learning_rate_schedule(t: TrainConfig):
+    """lr for the update with 0-based `count`: linear warmup to `learning_rate` over `warmup_steps` updates (the
+    first update already gets lr/warmup, never 0), then cosine decay to `min_lr_ratio * learning_rate` at
+    `steps`."""
+    peak, warm, total, floor = t.learning_rate, t.warmup_steps, t.steps, t.min_lr_ratio
+
+    def schedule(count):
+        s = jnp.asarray(count, jnp.float32) + 1.0  # the 1-based step this update makes
+        warmup = peak * s / max(warm, 1)
+        progress = jnp.clip((s - warm) / max(total - warm, 1), 0.0, 1.0)
+        cosine = peak * (floor + (1.0 - floor) * 0.5 * (1.0 + jnp.cos(math.pi * progress)))
+        return jnp.where(s <= warm, warmup, cosine)
+
+    return schedule
+
+
+# Parameters that are not weight-decayed: norm gains, biases and per-head scalars (sinks). Decaying a gain pulls
+# it toward 0 and a bias toward 0 for no regularisation benefit; matrices and embeddings are decayed.
+_NO_DECAY_NAME = re.compile(r"^(scale|bias|b[a-z]?|b_[a-z_]+|sink|.*_bias|.*norm.*)$")
+
+
+def decays(path: tuple) -> bool:
+    """Whether the parameter at `path` (tuple of dict keys) is weight-decayed."""
+    return not any(_NO_DECAY_NAME.match(str(k)) for k in path)
+
+
+def decay_mask(params) -> Any:
+    """A pytree of bools matching params: True where weight decay applies."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: decays(tuple(getattr(k, "key", getattr(k, "name", k)) for k in path)), params)
+
+
+def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
+    parts = []
+    if t.grad_clip > 0:
+        parts.append(optax.clip_by_global_norm(t.grad_clip))
+    parts.append(optax.adamw(learning_rate_schedule(t), b1=t.beta1, b2=t.beta2, weight_decay=t.weight_decay,
+                             mask=decay_mask))
+    return optax.chain(*parts)
+
+
+def split_params(model) -> tuple[Any, dict, dict]:
+    """(graphdef, params as a pure dict, other state as a pure dict) of an NNX model."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    return graphdef, params.to_pure_dict(), rest.to_pure_dict()
+
+
+@functools.lru_cache(maxsize=8)
+def _jitted_init(model_config: ModelConfig):
+    from causal_lm.model import build_model
+
+    return jax.jit(lambda seed: split_params(build_model(model_config, jax.random.key(seed)))[1:])
+
+
+def init_params(model_config: ModelConfig, seed: int) -> tuple[Any, dict, dict]:
+    """(graphdef, params, rest) of a freshly initialised model, built in one compiled program (building the module
+    eagerly dispatches and compiles every initialiser op separately, which takes seconds on a CPU)."""
+    from causal_lm.model import build_model
+
+    graphdef = split_params(nnx.eval_shape(lambda: build_model(model_config, 0)))[0]
+    params, rest = _jitted_init(model_config)(seed)
+    return graphdef, params, rest
+
+
+def init_train_state(params: dict, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
+    return TrainState(params=params, opt_state=optimizer.init(params), step=jnp.int32(0),
+                      rng=jax.random.PRNGKey(seed), bad_step=jnp.int32(0))
+
+
+def param_shapes(params) -> dict[str, list[int]]:
+    """{"blocks.attn.wq": [L, D, N, H], ...} for error messages and checkpoint metadata."""
+    flat = jax.tree_util.tree_flatten_with_path(params)[0]
+    return {".".join(str(getattr(k, "key", k)) for k in path): list(leaf.shape) for path, leaf in flat}
