@@ -18,6 +18,7 @@ COMMANDS = [
     "causal_lm.commands.plot",
     "causal_lm.commands.kv_bytes",
     "causal_lm.commands.convert",
+    "causal_lm.commands.convert",
 ]
 
 

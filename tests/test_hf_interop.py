@@ -367,6 +367,104 @@ def _abstract_model(config):
     return nnx.eval_shape(lambda: build_model(config))
 
 
+# ---- tokenizers and the command line -------------------------------------------------------------------------
+
+def _train_tokenizer_json(path):
+    """A small byte-level BPE tokenizer.json (ids 0, 1, 2 = <pad>, <s>, </s>, matching the test configs)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    texts = ["The quick brown fox jumps over the lazy dog.", "Language models predict the next token.",
+             "Ein kleiner Text, und 中文 auch."] * 10
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    tok.save(path)
+    return tok
+
+
+@pytest.fixture(scope="module")
+def hf_dir_with_tokenizer(tmp_path_factory):
+    """The llama-gqa-tied case (same shapes, so compiled functions are reused) plus a tokenizer.json."""
+    config_cls, model_cls, overrides = CASES["llama-gqa-tied"]
+    hf_model = make_hf_model(config_cls, model_cls, **overrides)
+    path = str(tmp_path_factory.mktemp("with_tokenizer"))
+    hf_model.save_pretrained(path)
+    tok = _train_tokenizer_json(os.path.join(path, "tokenizer.json"))
+    return path, hf_model, tok
+
+
+def test_load_hf_reads_tokenizer_json(hf_dir_with_tokenizer):
+    path, _, tok = hf_dir_with_tokenizer
+    _, ours = load_hf(path)
+    assert ours is not None and ours.vocab_size == tok.get_vocab_size()
+    assert (ours.bos_id, ours.eos_id) == (1, 2)  # from config.json / generation_config.json
+    text = "The lazy fox, 中文."
+    assert ours.encode(text) == tok.encode(text, add_special_tokens=False).ids
+    assert ours.decode(ours.encode(text)) == text
+
+
+def test_byte_tokenizer_written_as_equivalent_tokenizer_json(tmp_path):
+    from causal_lm.data.tokenizer import ByteTokenizer
+    from causal_lm.interop.hf import _save_tokenizer_json
+
+    byte = ByteTokenizer()
+    assert _save_tokenizer_json(byte, str(tmp_path))
+    hf_tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    for text in ["Hello, world!", "  two spaces\n\ttab", "中文 émoji 😀", ""]:
+        assert hf_tok(text, add_special_tokens=False)["input_ids"] == byte.encode(text)
+        assert hf_tok.decode(byte.encode(text)) == text
+    assert (hf_tok.bos_token_id, hf_tok.eos_token_id, hf_tok.pad_token_id) == (byte.bos_id, byte.eos_id, byte.pad_id)
+
+
+def test_cli_convert_generate_eval_and_back(hf_dir_with_tokenizer, tmp_path, capsys):
+    pytest.importorskip("causal_lm.train.checkpoint", reason="workdir checkpoints (train/checkpoint.py) not present")
+    from causal_lm.cli import main
+
+    path, hf_model, tok = hf_dir_with_tokenizer
+    wd, back = str(tmp_path / "wd"), str(tmp_path / "back")
+    assert main(["convert", "--from-hf", path, "--workdir", wd]) == 0
+    assert "LlamaForCausalLM" in capsys.readouterr().out
+
+    prompt = "The quick brown fox jumps"
+    ids = tok.encode(prompt, add_special_tokens=False).ids
+    assert main(["generate", "--workdir", wd, "--prompt", prompt, "--max-new-tokens", str(NEW), "--no-stream"]) == 0
+    out = capsys.readouterr()
+    assert out.out.startswith(prompt) and "tokens/s" in out.err
+    # The text is transformers' greedy continuation (up to the first EOS, where generate stops).
+    with torch.no_grad():
+        ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False)[0, len(ids):].tolist()
+    if 2 in ref:
+        ref = ref[:ref.index(2) + 1]
+    assert out.out == prompt + tok.decode(ref, skip_special_tokens=True) + "\n"
+
+    data = tmp_path / "eval.txt"
+    data.write_text("The quick brown fox jumps over the lazy dog.\n\nLanguage models predict the next token.\n" * 20)
+    assert main(["eval", "--workdir", wd, "--data", str(data), "--json"]) == 0
+    metrics = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert np.isfinite(metrics["loss"]) and metrics["tokens"] > 0
+
+    assert main(["convert", "--to-hf", wd, "--out", back]) == 0
+    assert "LlamaForCausalLM" in capsys.readouterr().out
+    again = transformers.AutoModelForCausalLM.from_pretrained(back, attn_implementation="eager").eval()
+    np.testing.assert_array_equal(hf_logits(again, TOKENS), hf_logits(hf_model, TOKENS))
+    hf_tok = transformers.AutoTokenizer.from_pretrained(back)
+    assert hf_tok("The lazy dog", add_special_tokens=False)["input_ids"] == tok.encode("The lazy dog").ids
+    assert hf_tok.eos_token == "</s>"
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys, llama_dir):
+    from causal_lm.cli import main
+
+    assert main(["convert", "--from-hf", str(tmp_path / "missing"), "--workdir", str(tmp_path / "wd")]) == 2
+    assert "not a directory" in capsys.readouterr().err
+    pytest.importorskip("causal_lm.train.checkpoint", reason="workdir checkpoints (train/checkpoint.py) not present")
+    assert main(["convert", "--from-hf", llama_dir[0], "--workdir", str(tmp_path / "wd")]) == 2
+    assert "no tokenizer.json" in capsys.readouterr().err
+
+
 def test_report_max_logit_differences():
     """Runs last in this module: prints the measured differences (pytest -s shows them)."""
     for name, d in MAX_DIFFS.items():
