@@ -18,7 +18,6 @@ COMMANDS = [
     "causal_lm.commands.plot",
     "causal_lm.commands.kv_bytes",
     "causal_lm.commands.convert",
-    "causal_lm.commands.convert",
 ]
 
 
