@@ -148,6 +148,7 @@ class HFTokenizer:
         self.pad_id = pad_id if pad_id is not None else (find(_PAD_NAMES) if find(_PAD_NAMES) is not None
                                                          else self.eos_id)
         self._special = {self.bos_id, self.eos_id, self.pad_id}
+        self._byte_level = '"ByteLevel"' in json_text.replace(" ", "")
 
     @classmethod
     def from_file(cls, path: str) -> "HFTokenizer":
@@ -190,9 +191,20 @@ class HFTokenizer:
         return step
 
     def token_bytes(self) -> np.ndarray:
+        """UTF-8 bytes per id. Byte-level BPE tokens are strings over GPT-2's 256-character byte alphabet (one
+        character per byte, so a token may hold part of a character); byte-fallback tokens "<0xNN>" are one byte;
+        other tokens are measured by decoding them."""
+        byte_alphabet = set(_gpt2_byte_chars())
         out = np.zeros(self.vocab_size, np.int64)
         for i in range(self.vocab_size):
-            if i not in self._special:
+            if i in self._special:
+                continue
+            piece = self._tok.id_to_token(i) or ""
+            if self._byte_level and piece and all(ch in byte_alphabet for ch in piece):
+                out[i] = len(piece)
+            elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                out[i] = 1
+            else:
                 out[i] = len(self._tok.decode([i], skip_special_tokens=True).encode("utf-8"))
         return out
 
@@ -206,6 +218,19 @@ class HFTokenizer:
             f.write(self._json)
         meta = {k: v for k, v in self.to_dict().items() if k != "json"}
         _write_meta(directory, meta)
+
+
+def _gpt2_byte_chars() -> list[str]:
+    """The 256 printable characters byte-level BPE (GPT-2) uses to stand for bytes 0..255."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars, extra = [], 0
+    for b in range(256):
+        if b in keep:
+            chars.append(chr(b))
+        else:
+            chars.append(chr(256 + extra))
+            extra += 1
+    return chars
 
 
 def _write_meta(directory: str, meta: dict) -> None:

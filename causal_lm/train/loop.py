@@ -197,11 +197,14 @@ def _train(config: Config, workdir: str, ckpt: Checkpointer, data, latest, meta,
             elapsed = time.perf_counter() - interval_t0
             if bad_step:
                 bad = host[bad_step - step + len(host) - 1]
+                ckpt.wait()
+                kept = ckpt.latest_step()
                 raise NonFiniteLossError(
-                    f"non-finite training loss at step {bad_step} (loss={float(bad['loss'])}, "
-                    f"grad_norm={float(bad['grad_norm'])}); training stopped and nothing from that step on was "
-                    f"saved (latest checkpoint: step {ckpt.latest_step()}). Lower train.learning_rate or raise "
-                    "train.warmup_steps, then rerun to resume from that checkpoint.")
+                    f"non-finite loss or gradient at step {bad_step} (loss={float(bad['loss'])}, "
+                    f"grad_norm={float(bad['grad_norm'])}): training stopped, and nothing from that step on was "
+                    "saved; " + (f"the latest checkpoint is step {kept}, which a rerun resumes from"
+                                 if kept is not None else "no checkpoint had been written yet")
+                    + ". Lower train.learning_rate or raise train.warmup_steps.")
             record = {"step": step, "loss": float(np.mean([h["loss"] for h in host])),
                       "grad_norm": float(host[-1]["grad_norm"]), "lr": float(host[-1]["lr"]),
                       "tokens": step * tokens_per_step}
