@@ -13,6 +13,7 @@ import shutil
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -21,6 +22,7 @@ REASON = "the interop extra is not installed: pip install -e '.[interop]' torch"
 torch = pytest.importorskip("torch", reason=REASON)
 transformers = pytest.importorskip("transformers", reason=REASON)
 pytest.importorskip("safetensors", reason=REASON)
+transformers.utils.logging.disable_progress_bar()  # "Loading weights" / "Writing model shards" bars
 
 from causal_lm import HFFormatError, load_hf, save_hf  # noqa: E402
 from causal_lm.decode import generate  # noqa: E402
