@@ -160,7 +160,10 @@ class Decoder(nnx.Module):
                 raise InputError(f"positions must be in [0, max_seq_len={c.max_seq_len}), got range "
                                  f"[{p.min()}, {p.max()}]")
 
-    def forward(self, tokens, *, positions=None, segment_ids=None, cache=None, return_weights=False):
+    def forward(self, tokens, *, positions=None, segment_ids=None, cache=None, return_weights=False,
+                input_embeddings=None):
+        """(logits, new cache, weights). input_embeddings [B, T, D] replaces the token lookup (for gradient
+        probes such as the no-leak test); tokens still give the shape."""
         self.validate(tokens, positions, segment_ids, cache)
         c = self.config
         dt = jnp.dtype(c.dtype)
@@ -197,7 +200,7 @@ class Decoder(nnx.Module):
         windows = c.layer_windows
         visible, zero_after = masks(windows[0] if len(set(windows)) == 1 else None)
 
-        x = self.embed[...].astype(dt)[tokens]  # [B, T, D]
+        x = self.embed[...].astype(dt)[tokens] if input_embeddings is None else input_embeddings.astype(dt)
         if c.position == "learned":
             # Only padding can sit past max_seq_len (real positions are validated above); clamp it explicitly.
             x = x + self.pos_embed[...].astype(dt)[jnp.minimum(positions, c.max_seq_len - 1)]

@@ -1,0 +1,324 @@
+"""Foundation properties of the decoder, over every attention variant (jitted, float32, highest precision)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import causal_lm
+from causal_lm.config import ConfigError, ModelConfig, apply_overrides, load_config
+from causal_lm.model import InputError, attention_weights, build_model
+from causal_lm.model.functional import forward
+from variants import VARIANT_IDS, VARIANTS, tiny_config, tiny_model
+
+T = 10
+
+
+def _tokens(config, B=2, T=T, seed=0):
+    return np.random.default_rng(seed).integers(0, config.vocab_size, (B, T)).astype(np.int32)
+
+
+@functools.lru_cache(maxsize=None)
+def probe(config: ModelConfig):
+    """One compiled program per variant: the Jacobian of the logits w.r.t. the input embeddings, the full-sequence
+    logits and the logits of two prefixes run alone."""
+    model = tiny_model(config)
+    graphdef, state = nnx.split(model)
+    tokens = _tokens(config, B=1)
+    r = np.random.default_rng(1).standard_normal(config.vocab_size).astype(np.float32)
+
+    @jax.jit
+    def run(state, tokens):
+        m = nnx.merge(graphdef, state)
+        emb = m.embed[...][tokens]  # [1, T, D]
+
+        def f(e):
+            logits, _, _ = m.forward(tokens, input_embeddings=e)
+            return logits[0] @ r  # [T]: one random projection of each position's logits
+
+        jac = jax.jacrev(f)(emb)[:, 0]  # [T(out), T(in), D]
+        full, _ = m(tokens)
+        pre1, _ = m(tokens[:, :1])
+        pre6, _ = m(tokens[:, :6])
+        weights = m.attention_weights(tokens)  # [L, 1, N, T, T]
+        return jnp.abs(jac).max(-1), full, pre1, pre6, weights
+
+    return jax.tree.map(np.asarray, run(state, tokens))
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+def test_no_leak_from_the_future(variant):
+    jac = probe(tiny_config(*variant))[0]
+    future = np.triu(np.ones((T, T), bool), k=1)
+    assert np.all(jac[future] == 0.0), "a logit depends on a later position"
+    assert np.all(jac[np.arange(T), np.arange(T)] > 0), "a logit ignores its own position"
+    assert np.all(jac[1:, 0] > 0), "later logits ignore the first token"
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+def test_prefix_equivalence(variant):
+    _, full, pre1, pre6, _ = probe(tiny_config(*variant))
+    np.testing.assert_allclose(pre1[0], full[0, :1], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(pre6[0], full[0, :6], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal_after_softmax"])
+def test_wrong_masks_leak(mask):
+    """The research knobs really are wrong: future positions have nonzero gradient."""
+    jac = probe(tiny_config("gqa", "rope_full", attention_mask=mask))[0]
+    future = np.triu(np.ones((T, T), bool), k=1)
+    assert np.all(jac[:-1][future[:-1]].reshape(-1) > 0) or jac[future].max() > 1e-4
+    assert (jac[future] > 0).mean() > 0.9
+
+
+def _weights(config, tokens, **kw):
+    model = tiny_model(config)
+    graphdef, state = nnx.split(model)
+    return np.asarray(_weights_jit(state, tokens, graphdef=graphdef, **kw))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _weights_jit(state, tokens, segment_ids=None, *, graphdef):
+    return nnx.merge(graphdef, state).attention_weights(tokens, segment_ids=segment_ids)
+
+
+def test_zero_after_softmax_rows_fall_short_and_depend_on_the_future():
+    config = tiny_config("gqa", "rope_full", attention_mask="causal_after_softmax")
+    tokens = _tokens(config, B=1)
+    w = _weights(config, tokens)  # [L, B, N, T, T]
+    sums = w.sum(-1)
+    assert np.all(sums[..., :-1] < 1), "post-softmax zeroing should leave rows summing below 1"
+    assert sums[..., :-1].mean() < 0.9
+    np.testing.assert_allclose(sums[..., -1], 1.0, atol=1e-5)  # the last row has no future to lose
+    changed = tokens.copy()
+    changed[0, -1] = (changed[0, -1] + 1) % config.vocab_size
+    sums2 = _weights(config, changed).sum(-1)
+    # Layer 0 rows before the last: the shortfall is the future token's share, so it moves with that token.
+    assert np.abs(sums2[0, ..., :-1] - sums[0, ..., :-1]).max() > 1e-4
+    # The proper mask: the same change moves nothing before the changed position.
+    c2 = tiny_config("gqa", "rope_full")
+    a, b = _weights(c2, tokens), _weights(c2, changed)
+    np.testing.assert_array_equal(a[..., :-1, :-1], b[..., :-1, :-1])
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=VARIANT_IDS)
+def test_causal_weights(variant):
+    config = tiny_config(*variant)
+    w = probe(config)[4]  # [L, B, N, T, T]
+    upper = np.triu(np.ones((T, T), bool), k=1)
+    assert np.all(w[..., upper] == 0.0)
+    sums = w.sum(-1)
+    if config.attn_sink:
+        # The sink takes a share of every row: rows sum to 1 - share, strictly inside (0, 1).
+        assert np.all(sums < 1) and np.all(sums > 0) and sums.mean() < 0.95
+    else:
+        np.testing.assert_allclose(sums, 1.0, atol=1e-5)
+
+
+def test_sink_share_matches_reference():
+    """attention_weights with a sink logit == softmax over [visible scores..., sink], minus the sink column."""
+    rng = np.random.default_rng(0)
+    B, T, N, K, H = 2, 5, 4, 2, 8
+    q = rng.standard_normal((B, T, N, H)).astype(np.float32)
+    k = rng.standard_normal((B, T, K, H)).astype(np.float32)
+    sink = rng.standard_normal(N).astype(np.float32)
+    vis = np.tril(np.ones((T, T), bool))[None].repeat(B, 0)
+    w = np.asarray(attention_weights(q, k, vis, sink=sink)).reshape(B, N, T, T)
+    G = N // K
+    for b in range(B):
+        for n in range(N):
+            s = q[b, :, n] @ k[b, :, n // G].T / np.sqrt(H)
+            for i in range(T):
+                logits = np.append(s[i, : i + 1], sink[n])
+                p = np.exp(logits - logits.max())
+                p /= p.sum()
+                np.testing.assert_allclose(w[b, n, i, : i + 1], p[:-1], atol=1e-6)
+                assert np.all(w[b, n, i, i + 1:] == 0)
+
+
+def test_fully_masked_row_is_zero_not_nan():
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 3, 2, 4)).astype(np.float32)
+    k = rng.standard_normal((1, 3, 2, 4)).astype(np.float32)
+    vis = np.zeros((1, 3, 3), bool)
+    vis[0, 2, :2] = True
+    for sink in (None, np.zeros(2, np.float32)):
+        w = np.asarray(attention_weights(q, k, vis, sink=sink))
+        assert np.isfinite(w).all()
+        assert np.all(w[..., :2, :] == 0)
+
+
+@pytest.mark.parametrize("variant", [("mha", "rope_partial", True, True), ("mqa", "learned", False, False),
+                                     ("gqa", "nope", False, True)], ids=["mha-partial-gate-sink", "mqa-learned",
+                                                                          "gqa-nope-sink"])
+def test_packed_documents_equal_separate_runs(variant):
+    config = tiny_config(*variant)
+    model = tiny_model(config)
+    rng = np.random.default_rng(3)
+    a = rng.integers(0, config.vocab_size, (1, 6)).astype(np.int32)
+    b = rng.integers(0, config.vocab_size, (1, 9)).astype(np.int32)
+    packed = np.concatenate([a, b], 1)
+    seg = np.array([[1] * 6 + [2] * 9], np.int32)
+    lp, _ = forward(model, packed, segment_ids=seg)
+    la, _ = forward(model, a)
+    lb, _ = forward(model, b)
+    np.testing.assert_allclose(np.asarray(lp)[0, :6], np.asarray(la)[0], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(lp)[0, 6:], np.asarray(lb)[0], atol=1e-5, rtol=0)
+
+
+def test_padding_keys_get_zero_weight_and_padded_rows_are_finite():
+    config = tiny_config("gqa", "rope_full", False, True)
+    tokens = _tokens(config, B=2)
+    seg = np.ones_like(tokens)
+    seg[0, 7:] = 0  # row 0: 7 real tokens then padding
+    w = np.asarray(_weights_jit(nnx.split(tiny_model(config))[1], tokens, seg,
+                                graphdef=nnx.split(tiny_model(config))[0]))
+    assert np.all(w[:, 0, :, :, 7:] == 0), "a padded key received attention"
+    logits, _ = forward(tiny_model(config), tokens, segment_ids=seg)
+    logits = np.asarray(logits)
+    assert np.isfinite(logits).all()
+    # Real positions of the padded row equal the unpadded row of those 7 tokens run alone.
+    alone, _ = forward(tiny_model(config), tokens[:1, :7])
+    np.testing.assert_allclose(logits[0, :7], np.asarray(alone)[0], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kv", ["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("mask", ["causal", "none"])
+def test_dot_product_attention_path_equals_einsum(kv, mask):
+    c1 = tiny_config(kv, "rope_partial", True, False, attention_mask=mask)
+    c2 = tiny_config(kv, "rope_partial", True, False, attention_mask=mask, attention_impl="dot_product_attention")
+    m1, m2 = tiny_model(c1), tiny_model(c2)
+    tokens = _tokens(c1)
+    seg = np.ones_like(tokens)
+    seg[1, 6:] = 0
+    l1, _ = forward(m1, tokens, segment_ids=seg)
+    l2, _ = forward(m2, tokens, segment_ids=seg)
+    np.testing.assert_allclose(np.asarray(l1), np.asarray(l2), atol=1e-5, rtol=0)
+
+
+def test_scan_and_unrolled_layers_agree():
+    c1 = tiny_config("gqa", "rope_full", True, True)
+    c2 = tiny_config("gqa", "rope_full", True, True, scan_layers=False)
+    tokens = _tokens(c1)
+    l1, _ = forward(tiny_model(c1), tokens)
+    l2, _ = forward(tiny_model(c2), tokens)
+    np.testing.assert_allclose(np.asarray(l1), np.asarray(l2), atol=1e-5, rtol=0)
+
+
+def test_rope_rotates_only_q_and_k_and_only_the_fraction():
+    from causal_lm.model.rope import apply_rope, rope_tables
+
+    x = np.random.default_rng(0).standard_normal((1, 4, 2, 8)).astype(np.float32)
+    cos, sin = rope_tables(jnp.arange(4)[None], 2, 10000.0)
+    y = np.asarray(apply_rope(x, cos, sin))
+    np.testing.assert_array_equal(y[..., 2:], x[..., 2:])  # unrotated dims pass through
+    np.testing.assert_array_equal(y[:, 0], x[:, 0])  # position 0 is the identity
+    assert not np.allclose(y[:, 1:, :, :2], x[:, 1:, :, :2])
+    np.testing.assert_allclose(np.linalg.norm(y, axis=-1), np.linalg.norm(x, axis=-1), rtol=1e-6)
+    # V is not rotated: shifting all positions by a constant leaves q.k unchanged and V untouched.
+    c = tiny_config("mha", "rope_full")
+    model = tiny_model(c)
+    h = np.random.default_rng(1).standard_normal((1, 5, c.d_model)).astype(np.float32)
+    pos = jnp.arange(5)[None]
+    graphdef, state = nnx.split(model.blocks)
+    layer0 = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], state))
+    ca, sa = rope_tables(pos, c.rope_dim, c.rope_theta)
+    cb, sb = rope_tables(pos + 7, c.rope_dim, c.rope_theta)
+    ka, va = layer0.attn.project_kv(h, ca, sa)
+    kb, vb = layer0.attn.project_kv(h, cb, sb)
+    np.testing.assert_array_equal(np.asarray(va), np.asarray(vb))
+    assert not np.allclose(np.asarray(ka), np.asarray(kb))
+
+
+# ---- bad input: clear errors before any compute ---------------------------------------------------------------
+
+def test_out_of_vocab_token_is_an_error():
+    config = tiny_config()
+    model = tiny_model(config)
+    bad = _tokens(config)
+    bad[1, 3] = config.vocab_size
+    with pytest.raises(InputError, match=r"token id 61 at \[row 1, position 3\].*vocabulary"):
+        forward(model, bad)
+    bad[1, 3] = -1
+    with pytest.raises(InputError, match="token id -1"):
+        model(bad)
+
+
+def test_too_long_sequence_is_an_error():
+    config = tiny_config()
+    with pytest.raises(InputError, match="exceeds model.max_seq_len=96"):
+        forward(tiny_model(config), np.zeros((1, 97), np.int32))
+
+
+def test_input_errors_are_raised_before_compute(monkeypatch):
+    """Validation runs on the host: the jitted program is never reached for bad input."""
+    import causal_lm.model.functional as fn
+
+    def boom(*a, **k):
+        raise AssertionError("compute started")
+
+    monkeypatch.setattr(fn, "_forward", boom)
+    config = tiny_config()
+    with pytest.raises(InputError):
+        fn.forward(tiny_model(config), np.full((1, 4), 99, np.int32))
+    with pytest.raises(InputError):
+        fn.forward(tiny_model(config), np.zeros((4,), np.int32))
+    with pytest.raises(InputError):
+        fn.forward(tiny_model(config), np.zeros((1, 4), np.float32))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_heads=4, num_kv_heads=3), "must divide num_heads"),
+    (dict(d_model=30, num_heads=4), "not divisible by num_heads"),
+    (dict(position="alibi"), "position must be one of"),
+    (dict(attention_mask="bidirectional"), "attention_mask must be one of"),
+    (dict(rope_fraction=0.3), "rope_fraction"),
+    (dict(rope_fraction=1.5), r"rope_fraction must be in \[0, 1\]"),
+    (dict(vocab_size=0), "vocab_size must be a positive integer"),
+    (dict(attention_impl="dot_product_attention", attn_sink=True), "attn_sink needs attention_impl='xla'"),
+    (dict(dtype="float64"), "dtype must be one of"),
+])
+def test_bad_config_is_an_error(kwargs, match):
+    base = dict(vocab_size=61, d_model=32, num_layers=2, num_heads=4, mlp_dim=48, max_seq_len=64)
+    base.update(kwargs)
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig(**base)
+
+
+def test_overrides_convert_types_and_reject_unknown_keys():
+    c = load_config("tiny", ["model.num_layers=3", "num_kv_heads=1", "rope_theta=500000", "attn_sink=true",
+                             "head_dim=none", "train.steps=7"])
+    assert c.model.num_layers == 3 and c.model.kv_heads == 1 and c.model.rope_theta == 5e5
+    assert c.model.attn_sink is True and c.model.head_dim is None and c.train.steps == 7
+    with pytest.raises(ConfigError, match=r"unknown config key 'model.num_layer'; valid keys: .*model.num_layers"):
+        apply_overrides(c, ["model.num_layer=2"])
+    with pytest.raises(ConfigError, match="cannot convert"):
+        apply_overrides(c, ["model.num_layers=two"])
+    with pytest.raises(ConfigError, match="must divide"):
+        apply_overrides(c, ["model.num_kv_heads=3"])
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("no_such_preset")
+
+
+def test_presets_build_and_run():
+    for name in ("tiny", "small"):
+        c = load_config(name)
+        model = build_model(c.model)
+        logits, cache = forward(model, np.zeros((1, 8), np.int32))
+        assert logits.shape == (1, 8, c.model.vocab_size) and cache is None
+        assert np.isfinite(np.asarray(logits)).all()
+
+
+def test_public_api():
+    config = tiny_config()
+    model = causal_lm.build_model(config, seed=0)
+    logits, cache = model(np.zeros((1, 3), np.int32))
+    assert cache is None and logits.dtype == jnp.float32
+    # Same seed, same parameters; different seed, different parameters.
+    a = np.asarray(causal_lm.build_model(config, seed=0).embed[...])
+    b = np.asarray(causal_lm.build_model(config, seed=1).embed[...])
+    np.testing.assert_array_equal(a, np.asarray(model.embed[...]))
+    assert not np.array_equal(a, b)
