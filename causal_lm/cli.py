@@ -17,6 +17,7 @@ COMMANDS = [
     "causal_lm.commands.eval",
     "causal_lm.commands.plot",
     "causal_lm.commands.kv_bytes",
+    "causal_lm.commands.experiment",
     "causal_lm.commands.convert",
 ]
 
@@ -33,7 +34,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # argparse fills a trailing `KEY=VALUE ...` positional together with the positional before it, so in
+    # `experiment NAME --out DIR k=v` the k=v arrive as extras: give them to the command's overrides.
+    if extra and isinstance(getattr(args, "overrides", None), list) and all(
+            "=" in e and not e.startswith("-") for e in extra):
+        args.overrides = args.overrides + extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
