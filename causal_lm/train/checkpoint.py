@@ -167,7 +167,8 @@ def check_model_config(meta: dict, config: Config, step: int, directory: str) ->
     if not diff:
         return []
     abstract = nnx.eval_shape(lambda: build_model(config.model))
-    bad = shape_mismatches(meta.get("param_shapes", {}), param_shapes(nnx.state(abstract, nnx.Param).to_pure_dict()))
+    expected = param_shapes(nnx.to_pure_dict(nnx.state(abstract, nnx.Param)))
+    bad = shape_mismatches(meta.get("param_shapes", {}), expected)
     if bad:
         raise CheckpointError(
             f"checkpoint {step} in {directory} was written by a different architecture; parameters that differ:\n"
@@ -201,7 +202,7 @@ def restore_params(workdir: str, model, step: Union[None, int, str] = None):
     ckpt = Checkpointer(workdir, read_only=True)
     try:
         s = _pick_step(ckpt, step, workdir)
-        params, _, meta = ckpt.restore(s, nnx.state(model, nnx.Param).to_pure_dict())
+        params, _, meta = ckpt.restore(s, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
     finally:
         ckpt.close()
     state = nnx.state(model, nnx.Param)
@@ -229,7 +230,7 @@ def load_for_inference(workdir: str, step: Union[None, int, str] = None, overrid
         graphdef, abstract_params, rest = nnx.split(abstract, nnx.Param, ...)
         if jax.tree.leaves(rest):  # non-parameter state needs real initial values
             graphdef, _, rest = nnx.split(build_model(config.model), nnx.Param, ...)
-        params, _, _ = ckpt.restore(s, abstract_params.to_pure_dict())
+        params, _, _ = ckpt.restore(s, nnx.to_pure_dict(abstract_params))
     finally:
         ckpt.close()
     model = nnx.merge(graphdef, params, rest)
@@ -251,7 +252,7 @@ def save_for_inference(workdir: str, model, config: Config, tokenizer, step: int
     write_workdir_files(workdir, config, tokenizer)
     ckpt = Checkpointer(workdir, keep=max(config.train.keep_checkpoints, 1))
     try:
-        ckpt.save(step, nnx.state(model, nnx.Param).to_pure_dict(),
+        ckpt.save(step, nnx.to_pure_dict(nnx.state(model, nnx.Param)),
                   {"config": config_to_dict(config), "tokenizer": tokenizer.to_dict(), "data_state": None})
     finally:
         ckpt.close()

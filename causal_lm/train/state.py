@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -38,16 +39,29 @@ class TrainState:
     bad_step: jax.Array
 
 
-def learning_rate_schedule(t: TrainConfig):
+# Optimizer hyperparameters that enter the jitted step as traced scalars, so changing them (an lr sweep, a longer
+# run) reuses the compiled step instead of compiling a new one.
+HYPERPARAMS = ("learning_rate", "warmup_steps", "steps", "min_lr_ratio", "weight_decay", "beta1", "beta2",
+               "grad_clip")
+
+
+def hyperparams(t: TrainConfig) -> dict:
+    """The traced hyperparameters of `t` as float32 scalars."""
+    return {k: np.float32(getattr(t, k)) for k in HYPERPARAMS}
+
+
+def learning_rate_schedule(hp):
     """lr for the update with 0-based `count`: linear warmup to `learning_rate` over `warmup_steps` updates (the
     first update already gets lr/warmup, never 0), then cosine decay to `min_lr_ratio * learning_rate` at
-    `steps`."""
-    peak, warm, total, floor = t.learning_rate, t.warmup_steps, t.steps, t.min_lr_ratio
+    `steps`. `hp`: a TrainConfig or `hyperparams(...)` (possibly traced)."""
+    if isinstance(hp, TrainConfig):
+        hp = hyperparams(hp)
+    peak, warm, total, floor = hp["learning_rate"], hp["warmup_steps"], hp["steps"], hp["min_lr_ratio"]
 
     def schedule(count):
         s = jnp.asarray(count, jnp.float32) + 1.0  # the 1-based step this update makes
-        warmup = peak * s / max(warm, 1)
-        progress = jnp.clip((s - warm) / max(total - warm, 1), 0.0, 1.0)
+        warmup = peak * s / jnp.maximum(warm, 1.0)
+        progress = jnp.clip((s - warm) / jnp.maximum(total - warm, 1.0), 0.0, 1.0)
         cosine = peak * (floor + (1.0 - floor) * 0.5 * (1.0 + jnp.cos(math.pi * progress)))
         return jnp.where(s <= warm, warmup, cosine)
 
@@ -70,19 +84,23 @@ def decay_mask(params) -> Any:
         lambda path, _: decays(tuple(getattr(k, "key", getattr(k, "name", k)) for k in path)), params)
 
 
-def make_optimizer(t: TrainConfig) -> optax.GradientTransformation:
+def make_optimizer(t: TrainConfig, hp=None) -> optax.GradientTransformation:
+    """Global-norm clipping (when train.grad_clip > 0), then AdamW with the warmup + cosine schedule and weight
+    decay on matrices and embeddings only. `hp` overrides the values of `t` with (traced) `hyperparams`; the
+    optimizer state's structure depends only on `t.grad_clip > 0`."""
+    hp = hyperparams(t) if hp is None else hp
     parts = []
     if t.grad_clip > 0:
-        parts.append(optax.clip_by_global_norm(t.grad_clip))
-    parts.append(optax.adamw(learning_rate_schedule(t), b1=t.beta1, b2=t.beta2, weight_decay=t.weight_decay,
-                             mask=decay_mask))
+        parts.append(optax.clip_by_global_norm(hp["grad_clip"]))
+    parts.append(optax.adamw(learning_rate_schedule(hp), b1=hp["beta1"], b2=hp["beta2"],
+                             weight_decay=hp["weight_decay"], mask=decay_mask))
     return optax.chain(*parts)
 
 
 def split_params(model) -> tuple[Any, dict, dict]:
     """(graphdef, params as a pure dict, other state as a pure dict) of an NNX model."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    return graphdef, params.to_pure_dict(), rest.to_pure_dict()
+    return graphdef, nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
 
 
 @functools.lru_cache(maxsize=8)

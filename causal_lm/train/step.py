@@ -21,7 +21,7 @@ import optax
 from flax import nnx
 
 from causal_lm.config import ModelConfig, TrainConfig
-from causal_lm.train.state import TrainState, learning_rate_schedule, make_optimizer
+from causal_lm.train.state import TrainState, hyperparams, learning_rate_schedule, make_optimizer
 
 
 def loss_sums(model, batch):
@@ -63,21 +63,28 @@ def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
-@functools.lru_cache(maxsize=16)
 def compiled_train_step(model_config: ModelConfig, train_config: TrainConfig, graphdef):
-    """`step(state, rest, batch) -> (state, metrics)`, jitted with the state donated.
+    """`step(state, rest, batch) -> (state, metrics)`: one jitted program with the state donated.
 
     metrics: loss, grad_norm (before clipping), lr, tokens (weighted targets). A non-finite loss, gradient or
     updated parameter skips the update and records the step in `state.bad_step`, checked by the host at log
     and checkpoint intervals: the step is named exactly without a host sync every step.
+    The learning-rate schedule and AdamW settings are traced arguments, so only the model, the microbatch count
+    and whether clipping is on select a compiled program.
     """
-    optimizer = make_optimizer(train_config)
-    schedule = learning_rate_schedule(train_config)
-    k = train_config.microbatches
+    jitted = _compiled_train_step(model_config, train_config.microbatches, train_config.grad_clip > 0, graphdef)
+    hp = hyperparams(train_config)
+    return lambda state, rest, batch: jitted(state, rest, batch, hp)
 
-    def step(state: TrainState, rest, batch):
-        loss, grads, count = loss_and_grads(graphdef, state.params, rest, batch, k)
-        grad_norm = optax.global_norm(grads)
+
+@functools.lru_cache(maxsize=16)
+def _compiled_train_step(model_config: ModelConfig, microbatches: int, clip: bool, graphdef):
+    structure = TrainConfig(grad_clip=1.0 if clip else 0.0)  # only grad_clip > 0 shapes the optimizer
+
+    def step(state: TrainState, rest, batch, hp):
+        optimizer = make_optimizer(structure, hp)
+        loss, grads, count = loss_and_grads(graphdef, state.params, rest, batch, microbatches)
+        grad_norm = optax.tree.norm(grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(params) & (state.bad_step == 0)
@@ -86,7 +93,8 @@ def compiled_train_step(model_config: ModelConfig, train_config: TrainConfig, gr
         new = TrainState(params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state),
                          step=state.step + ok.astype(jnp.int32), rng=keep(rng, state.rng),
                          bad_step=jnp.where((state.bad_step == 0) & ~ok, state.step + 1, state.bad_step))
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": schedule(state.step), "tokens": count}
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": learning_rate_schedule(hp)(state.step),
+                   "tokens": count}
         return new, metrics
 
     return jax.jit(step, donate_argnums=0)
