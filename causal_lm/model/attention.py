@@ -56,13 +56,17 @@ def attention_weights(q, k, visible, *, sink=None, zero_after=None):
     softmax (the "zero after softmax" research variant). Returns weights [B, K, G, T, S].
     A row with no visible key gets all-zero weights, never NaN.
     """
+    return masked_softmax(attention_scores(q, k), visible, sink=sink, zero_after=zero_after)
+
+
+def attention_scores(q, k):
+    """Scaled dot-product scores S = q.k / sqrt(H) in float32, before any mask: [B, K, G, T, S]."""
     B, T, N, H = q.shape
     K = k.shape[2]
     G = N // K
     q = q.reshape(B, T, K, G, H)
     scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)  # [B, K, G, T, S]
-    scores = scores * (1.0 / jnp.sqrt(jnp.float32(H)))
-    return masked_softmax(scores, visible, sink=sink, zero_after=zero_after)
+    return scores * (1.0 / jnp.sqrt(jnp.float32(H)))
 
 
 def masked_softmax(scores, visible, *, sink=None, zero_after=None):
@@ -137,6 +141,17 @@ class Attention(nnx.Module):
         if c.attn_sink:
             self.sink = nnx.Param(jnp.zeros((N,), pd))
 
+    def project_q(self, x, cos, sin):
+        """Queries for the tokens: [B, T, N, H] (rotated with RoPE)."""
+        c = self.config
+        dt = jnp.dtype(c.dtype)
+        q = jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(dt))  # [B, T, N, H]
+        if c.qkv_bias:
+            q = q + self.bq[...].astype(dt)
+        if cos is not None:
+            q = apply_rope(q, cos, sin)
+        return q
+
     def project_kv(self, x, cos, sin):
         """K and V for the new tokens: [B, T, K, H] each (K rotated, V never)."""
         c = self.config
@@ -160,11 +175,7 @@ class Attention(nnx.Module):
         """
         c = self.config
         dt = jnp.dtype(c.dtype)
-        q = jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(dt))  # [B, T, N, H]
-        if c.qkv_bias:
-            q = q + self.bq[...].astype(dt)
-        if cos is not None:
-            q = apply_rope(q, cos, sin)
+        q = self.project_q(x, cos, sin)  # [B, T, N, H]
         k_new, v_new = self.project_kv(x, cos, sin)  # [B, T, K, H]
         if layer_cache is None:
             k, v, new_cache = k_new, v_new, None

@@ -118,6 +118,11 @@ class Decoder(nnx.Module):
         _, _, weights = self.forward(tokens, positions=positions, segment_ids=segment_ids, return_weights=True)
         return weights
 
+    def hidden_states(self, tokens, *, positions=None, segment_ids=None):
+        """The residual stream: [L+1, B, T, D] in the compute dtype; index 0 is the embedding output, index l the
+        output of block l (before the final norm). For probes, e.g. what position the layers encode."""
+        return self.forward(tokens, positions=positions, segment_ids=segment_ids, return_hidden=True)[3]
+
     # ---- implementation -------------------------------------------------------------------------------------
     def validate(self, tokens, positions=None, segment_ids=None, cache=None) -> None:
         """Host-side checks at the API boundary (skipped under tracing). JAX clamps out-of-range gathers and
@@ -161,9 +166,10 @@ class Decoder(nnx.Module):
                                  f"[{p.min()}, {p.max()}]")
 
     def forward(self, tokens, *, positions=None, segment_ids=None, cache=None, return_weights=False,
-                input_embeddings=None):
+                input_embeddings=None, return_hidden=False):
         """(logits, new cache, weights). input_embeddings [B, T, D] replaces the token lookup (for gradient
-        probes such as the no-leak test); tokens still give the shape."""
+        probes such as the no-leak test); tokens still give the shape. return_hidden=True appends the residual
+        stream [L+1, B, T, D] (embeddings, then each block's output) as a fourth element."""
         self.validate(tokens, positions, segment_ids, cache)
         c = self.config
         dt = jnp.dtype(c.dtype)
@@ -208,15 +214,23 @@ class Decoder(nnx.Module):
         if c.position == "rope":
             cos, sin = rope_tables(positions, c.rope_dim, c.rope_theta)
         ctx = dict(cos=cos, sin=sin, visible=visible, zero_after=zero_after, starts=starts,
-                   return_weights=return_weights, masks=masks if len(set(windows)) > 1 else None)
+                   return_weights=return_weights, return_hidden=return_hidden,
+                   masks=masks if len(set(windows)) > 1 else None)
 
+        x0 = x
         x, new_kv, weights = self._run_blocks(x, ctx, None if cache is None else cache.buffers)
+        hidden = None
+        if return_hidden:  # the scan emitted (weights, block outputs)
+            weights, hidden = weights
+            hidden = jnp.concatenate([x0[None], hidden], axis=0)  # [L+1, B, T, D]
         x = self.final_norm(x)
         head = self.embed[...].T if c.tie_embeddings else self.lm_head[...]
         logits = jnp.einsum("btd,dv->btv", x, head.astype(dt), preferred_element_type=jnp.float32)
         new_cache = None
         if cache is not None:
             new_cache = cache.with_buffers(new_kv, new_lengths)
+        if return_hidden:
+            return logits, new_cache, weights, hidden
         return logits, new_cache, weights
 
     def _run_blocks(self, x, ctx, kv):
@@ -236,7 +250,7 @@ class Decoder(nnx.Module):
             x, new_layer, w = nnx.merge(graphdef, layer_state)(x, layer_ctx, layer_cache)
             if kv is not None:
                 kv = tuple(jax.lax.dynamic_update_index_in_dim(buf, new, i, 0) for buf, new in zip(kv, new_layer))
-            return (x, kv, i + 1), w
+            return (x, kv, i + 1), ((w, x) if ctx.get("return_hidden") else w)
 
         if c.remat:
             body = jax.checkpoint(body, prevent_cse=not c.scan_layers)
@@ -248,7 +262,7 @@ class Decoder(nnx.Module):
             for i in range(c.num_layers):
                 carry, w = body(carry, jax.tree.map(lambda a: a[i], state))
                 ws.append(w)
-            weights = None if ws[0] is None else jnp.stack(ws)
+            weights = None if ws[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *ws)
         x, kv, _ = carry
         return x, kv, weights
 
