@@ -30,7 +30,7 @@ VARIANT_IDS = [variant_id(v) for v in VARIANTS]
 @functools.lru_cache(maxsize=None)
 def tiny_config(kv="gqa", pos="rope_full", gate=False, sink=False, **overrides) -> ModelConfig:
     base = dict(vocab_size=61, d_model=32, num_layers=2, num_heads=4, num_kv_heads=HEADS[kv], mlp_dim=48,
-                max_seq_len=96, init_std=0.3, attn_output_gate=gate, attn_sink=sink, **POSITIONS[pos])
+                max_seq_len=96, init_std=0.2, attn_output_gate=gate, attn_sink=sink, **POSITIONS[pos])
     base.update(overrides)
     return ModelConfig(**base)
 

@@ -3,6 +3,11 @@
 Prompts of different lengths are right-padded to a bucket length (a power of two), so a new prompt length
 reuses the compiled program. Each row keeps its own length; rows stop independently at a stop token.
 
+Sharded models run the same program: `generate` finds the mesh the weights are laid out on (or takes `mesh=`),
+splits the prompts and the KV cache over its batch axes and the cached K/V heads over its tensor axis (the
+partition rules of `causal_lm.parallel`), and returns the tokens replicated, so every host of a multi-host run
+gets them.
+
 Two paths share the loop and the sampling code and differ only in what they recompute:
   use_cache=True   prefill writes the prompt's K/V once; each step computes K/V for one new token.
   use_cache=False  each step runs the model over the whole sequence so far (every K/V recomputed).
@@ -54,10 +59,19 @@ def _last_valid_logits(logits, idx):
     return jnp.take_along_axis(logits, i[:, None, None], axis=1)[:, 0]
 
 
+def _shard_cache(cache, mesh):
+    """Keep the cache in the partition rules' layout through prefill and the decode loop (no-op on one device)."""
+    if mesh is None:
+        return cache
+    from causal_lm import parallel
+
+    return jax.lax.with_sharding_constraint(cache, parallel.cache_shardings(cache, mesh))
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "prompt_len", "chunk", "max_new", "use_cache",
-                                             "return_logits", "cache_dtype", "stream"))
+                                             "return_logits", "cache_dtype", "stream", "mesh"))
 def _generate_jit(state, tokens, lengths, key, temperature, top_k, top_p, stop_ids, *, graphdef, prompt_len,
-                  chunk, max_new, use_cache, return_logits, cache_dtype, stream):
+                  chunk, max_new, use_cache, return_logits, cache_dtype, stream, mesh=None):
     model = nnx.merge(graphdef, state)
     c = model.config
     B = tokens.shape[0]
@@ -65,7 +79,7 @@ def _generate_jit(state, tokens, lengths, key, temperature, top_k, top_p, stop_i
     arange_total = jnp.arange(total, dtype=jnp.int32)
 
     if use_cache:
-        cache = init_cache(c, B, total, cache_dtype)
+        cache = _shard_cache(init_cache(c, B, total, cache_dtype), mesh)
 
         def prefill_chunk(carry, i):
             cache, last = carry
@@ -73,6 +87,7 @@ def _generate_jit(state, tokens, lengths, key, temperature, top_k, top_p, stop_i
             n_valid = jnp.clip(lengths - i * chunk, 0, chunk)
             seg = (jnp.arange(chunk)[None, :] < n_valid[:, None]).astype(jnp.int32)
             logits, cache = model(piece, segment_ids=seg, cache=cache)
+            cache = _shard_cache(cache, mesh)
             idx = lengths - 1 - i * chunk
             in_chunk = (idx >= 0) & (idx < chunk)
             last = jnp.where(in_chunk[:, None], _last_valid_logits(logits, idx), last)
@@ -84,7 +99,7 @@ def _generate_jit(state, tokens, lengths, key, temperature, top_k, top_p, stop_i
 
         def advance(step_state, tok, active):
             logits, cache = model(tok[:, None], segment_ids=active[:, None].astype(jnp.int32), cache=step_state)
-            return logits[:, 0], cache, active.astype(jnp.int32)
+            return logits[:, 0], _shard_cache(cache, mesh), active.astype(jnp.int32)
     else:
         buf = jnp.zeros((B, total), jnp.int32).at[:, :prompt_len].set(tokens)
 
@@ -107,7 +122,8 @@ def _generate_jit(state, tokens, lengths, key, temperature, top_k, top_p, stop_i
         if return_logits:
             out_logits = out_logits.at[:, step].set(logits)
         if stream:
-            io_callback(_stream_callback, None, step, jnp.where(done, -1, tok), ordered=True)
+            # (ordered effects need one device; on a mesh the loop's data dependence keeps steps in order)
+            io_callback(_stream_callback, None, step, jnp.where(done, -1, tok), ordered=mesh is None)
         return out, out_logits
 
     out = jnp.full((B, max_new), -1, jnp.int32)
@@ -134,10 +150,22 @@ def _generate_jit(state, tokens, lengths, key, temperature, top_k, top_p, stop_i
 
     carry = (jnp.int32(1), step_state, tok, done, out, out_logits, kv)
     steps, _, _, _, out, out_logits, kv = jax.lax.while_loop(cond, body, carry)
-    return out, out_logits, kv, steps
+    result = (out, out_logits, kv, steps)
+    if mesh is not None:  # replicated: every process can read the tokens
+        from causal_lm import parallel
+
+        result = jax.lax.with_sharding_constraint(result, parallel.replicated(mesh))
+    return result
 
 
 _STREAM: list = [None]
+TRACES = [0]  # how many generation programs have been traced; see compile_count()
+
+
+def compile_count() -> int:
+    """Number of generation programs compiled so far in this process (a new prompt bucket, batch size,
+    max_new_tokens or model shape compiles a new one; a new prompt length within a bucket does not)."""
+    return TRACES[0]
 
 
 def _stream_callback(step, toks):
@@ -149,12 +177,14 @@ def _stream_callback(step, toks):
 def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, use_cache: bool = True,
              temperature: float = 0.0, top_k: Optional[int] = None, top_p: Optional[float] = None, seed: int = 0,
              chunk_size: Optional[int] = None, stop_tokens: Sequence[int] = (), return_logits: bool = False,
-             cache_dtype: Optional[str] = None, on_step: Optional[Callable[[int, np.ndarray], None]] = None
-             ) -> GenerateResult:
+             cache_dtype: Optional[str] = None, on_step: Optional[Callable[[int, np.ndarray], None]] = None,
+             mesh=None) -> GenerateResult:
     """Generate up to `max_new_tokens` for each prompt (lists of token ids, any lengths) on the device.
 
     chunk_size: prefill the prompts in chunks of this many tokens (default: one chunk). on_step(step, tokens[B])
     is called from the device loop as each token is produced (-1 for finished rows), for streaming.
+    mesh: run on this `causal_lm.parallel` mesh (weights placed by the partition rules if they are not on it
+    already). Default: the mesh the model's weights are laid out on, if any, else one device.
     """
     c = model.config
     if isinstance(prompts, np.ndarray):
@@ -199,13 +229,26 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, us
     stop[:len(stop_tokens)] = list(stop_tokens)
 
     graphdef, state = nnx.split(model)
+    args = (jnp.asarray(tokens), jnp.asarray(lens, jnp.int32), jax.random.key(seed), jnp.float32(temperature),
+            jnp.int32(top_k or 0), jnp.float32(1.0 if top_p is None else top_p), jnp.asarray(stop))
+    if mesh is None:
+        from causal_lm import parallel
+
+        mesh = parallel.mesh_of(state)
+    if mesh is not None:
+        from causal_lm import parallel
+
+        if parallel.mesh_of(state) != mesh:
+            state = parallel.shard_tree(state, parallel.tree_shardings(state, mesh))
+        rows = parallel.shard_global_batch({"tokens": tokens, "lengths": np.asarray(lens, np.int32)}, mesh)
+        args = (rows["tokens"], rows["lengths"]) + tuple(parallel.shard_tree(a, parallel.replicated(mesh))
+                                                         for a in args[2:])
     _STREAM[0] = on_step
     try:
         out, out_logits, kv, steps = _generate_jit(
-            state, jnp.asarray(tokens), jnp.asarray(lens, jnp.int32), jax.random.key(seed),
-            jnp.float32(temperature), jnp.int32(top_k or 0), jnp.float32(1.0 if top_p is None else top_p),
-            jnp.asarray(stop), graphdef=graphdef, prompt_len=prompt_len, chunk=chunk, max_new=int(max_new_tokens),
-            use_cache=use_cache, return_logits=return_logits, cache_dtype=cache_dtype, stream=on_step is not None)
+            state, *args, graphdef=graphdef, prompt_len=prompt_len, chunk=chunk, max_new=int(max_new_tokens),
+            use_cache=use_cache, return_logits=return_logits, cache_dtype=cache_dtype, stream=on_step is not None,
+            mesh=mesh)
         out = np.asarray(out)
         if on_step is not None:
             jax.effects_barrier()
