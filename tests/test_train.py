@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 
 import jax
 import numpy as np
@@ -129,6 +130,8 @@ def test_resume_after_sigkill_is_bitwise_exact(trained, tmp_path):
     with open(tmp_path / "child.err", "w") as err:
         proc = subprocess.Popen([sys.executable, str(script), workdir, str(N), *OVERRIDES], stdout=subprocess.PIPE,
                                 stderr=err, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+        watchdog = threading.Timer(300, proc.kill)  # a hung child fails the test instead of hanging it
+        watchdog.start()
         lines = []
         for line in proc.stdout:
             lines.append(line.strip())
@@ -136,6 +139,7 @@ def test_resume_after_sigkill_is_bitwise_exact(trained, tmp_path):
                 os.kill(proc.pid, signal.SIGKILL)  # in the middle of writing the checkpoint after step N
                 break
         proc.wait(timeout=60)
+        watchdog.cancel()
     assert proc.returncode == -signal.SIGKILL, (lines, (tmp_path / "child.err").read_text()[-3000:])
     assert lines[-2:] == [f"SAVED {N}", f"SAVING {N + 50}"]
 

@@ -4,8 +4,9 @@ FLOPs (explicit count, the PaLM-appendix convention): a forward pass costs 2 FLO
 (every weight matrix, the LM head included even when tied to the embedding; embedding lookups, norms and biases
 are not matmuls) plus the attention products, 2 * N * (H_qk + H_v) FLOPs per layer per attended key. Under the
 causal mask query i attends to i+1 keys, (T+1)/2 on average: the attention term is HALVED against full
-attention (a sliding window caps each query's keys at the window). Training costs 3x the forward pass (backward = 2x forward); recomputation under remat is
-not counted, which is what makes this *model* FLOPs utilisation.
+attention (a sliding window caps each query's keys at the window). Training costs 3x the forward pass
+(backward = 2x forward); recomputation under remat is not counted, which is what makes this *model* FLOPs
+utilisation.
 """
 
 from __future__ import annotations
