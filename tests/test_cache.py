@@ -295,3 +295,16 @@ def test_a_new_prompt_length_in_the_same_bucket_does_not_recompile():
     generate(model, [[9] * 8], max_new_tokens=5)
     assert compile_count() == before
     assert bucket_length(9) == 16 and bucket_length(1) == 8
+
+
+def test_concrete_tokens_with_a_cache_built_inside_jit():
+    """Host validation steps aside when the cache is traced (it cannot read lengths), instead of crashing."""
+    config = tiny_config()
+    graphdef, state = nnx.split(tiny_model(config))
+    tokens = np.array([[1, 2, 3]], np.int32)
+
+    @jax.jit
+    def run(state):
+        return nnx.merge(graphdef, state)(tokens, cache=init_cache(config, 1, 8))[0]
+
+    np.testing.assert_allclose(np.asarray(run(state)), np.asarray(forward(tiny_model(config), tokens)[0]), atol=1e-5)

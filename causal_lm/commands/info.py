@@ -35,8 +35,11 @@ def info(config, seed: int = 0) -> dict:
 def run(args) -> int:
     config = config_from_args(args)
     m = config.model
-    print(f"model: {m.num_layers} layers, d_model {m.d_model}, {m.num_heads} heads / {m.kv_heads} kv heads, "
-          f"head dim {m.head_size}, mlp {m.mlp_dim}, vocab {m.vocab_size}, position {m.position}")
+    attn = (f"{m.attention_label}, {m.num_heads} heads, KV latent {m.kv_lora_rank} + rope key {m.rope_dim}"
+            if m.attention_type == "mla" else
+            f"{m.attention_label}, {m.num_heads} heads / {m.kv_heads} kv heads, head dim {m.head_size}")
+    print(f"model: {m.num_layers} layers, d_model {m.d_model}, {attn}, mlp {m.mlp_dim}, vocab {m.vocab_size}, "
+          f"position {m.position}")
     r = info(config, args.seed)
     print(f"parameters: {r['params']:,}")
     print(f"KV cache: {r['kv_bytes_per_token']:,} bytes per token ({m.dtype})")

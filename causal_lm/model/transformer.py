@@ -128,7 +128,7 @@ class Decoder(nnx.Module):
         """Host-side checks at the API boundary (skipped under tracing). JAX clamps out-of-range gathers and
         cache writes silently, so bad ids and overflows must be caught here, before any compute."""
         c = self.config
-        if not _is_concrete(tokens, positions, segment_ids):
+        if not _is_concrete(tokens, positions, segment_ids, None if cache is None else cache.lengths):
             return
         t = np.asarray(tokens)
         if t.ndim != 2:
