@@ -15,5 +15,5 @@ echo
 echo "== generate without a cache (the whole sequence recomputed every step) =="
 .venv/bin/causal-lm generate "${GEN[@]}" --no-cache
 echo
-echo "metrics: $WORKDIR/metrics.jsonl   curves: .venv/bin/causal-lm plot --workdir $WORKDIR   " \
-     "TensorBoard: tensorboard --logdir $WORKDIR/tb"
+echo "metrics: $WORKDIR/metrics.jsonl; loss curves: .venv/bin/causal-lm plot --workdir $WORKDIR;" \
+     "TensorBoard events: $WORKDIR/tb (pip install tensorboard; tensorboard --logdir $WORKDIR/tb)"
