@@ -69,7 +69,7 @@ def _flat_ids(ds) -> tuple[np.ndarray, np.ndarray]:
     """(all token ids concatenated [N] int32, document lengths [D]) straight from the Arrow column."""
     import pyarrow as pa
 
-    col = ds.with_format("arrow")[:]["ids"] if ds._indices is not None else ds.data.column("ids")
+    col = ds.with_format("arrow")["ids"]
     chunks = col.chunks if isinstance(col, pa.ChunkedArray) else [col]
     flats, lens = [], []
     for ch in chunks:

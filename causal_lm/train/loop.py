@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import sys
 import time
 from typing import Callable, Optional
@@ -65,8 +66,10 @@ class _Console:
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=True,
-                            file=sys.stderr)
+            # A terminal that reports no width (some ptys) would get an empty bar: use 100 columns there.
+            sized = shutil.get_terminal_size((0, 0)).columns > 0
+            self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=sized,
+                            ncols=None if sized else 100, nrows=None if sized else 20, file=sys.stderr)
 
     def print(self, text: str) -> None:
         if not self.enabled:
@@ -84,7 +87,7 @@ class _Console:
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record.get('tokens_per_s', 0):,.0f}",
                                  refresh=False)
-        else:
+        elif "val_loss" not in record:  # an eval step already printed its line
             self.print(f"step {record['step']}: loss {record['loss']:.4f}, "
                        f"{record.get('tokens_per_s', 0):,.0f} tokens/s")
 
