@@ -159,6 +159,9 @@ class TrainIterator:
             raise DataError("the training split packs into no rows")
         self.rows, self.batch_size, self.seed = rows, batch_size, seed
         self.epoch, self.index = 0, 0
+        # Multi-host: the rows of each global batch this process feeds to its devices (`parallel.process_rows`);
+        # every process walks the same permutation, so the state (and a resume) is the same on all of them.
+        self.local_rows: Optional[np.ndarray] = None
         self._perm = self._permutation(0)
 
     def _permutation(self, epoch: int) -> np.ndarray:
@@ -179,6 +182,8 @@ class TrainIterator:
                 self.epoch, self.index = self.epoch + 1, 0
                 self._perm = self._permutation(self.epoch)
         idx = np.concatenate(picked)
+        if self.local_rows is not None:
+            idx = idx[self.local_rows]
         return rows_to_batch(self.rows.tokens[idx], self.rows.segments[idx])
 
     def state(self) -> dict:
@@ -207,6 +212,7 @@ class StreamingTrainIterator:
         self.buf_docs: list[int] = []
         self._it = None
         self._pulled_this_epoch = False
+        self.local_rows: Optional[np.ndarray] = None  # as TrainIterator.local_rows
 
     def _docs(self):
         if self._it is None:
@@ -246,7 +252,8 @@ class StreamingTrainIterator:
         docs = np.asarray(self.buf_docs[:need], np.int64)
         # Keep the last token: it is the next row's first input (stride T, rows of T+1).
         self.buf_tokens, self.buf_docs = self.buf_tokens[B * T:], self.buf_docs[B * T:]
-        idx = np.arange(B)[:, None] * T + np.arange(T + 1)[None, :]
+        rows = np.arange(B) if self.local_rows is None else self.local_rows
+        idx = rows[:, None] * T + np.arange(T + 1)[None, :]
         d = docs[idx]
         # A change of document id starts a new segment (ids are 1, 2, ... within each row).
         change = np.concatenate([np.zeros((B, 1), bool), d[:, 1:] != d[:, :-1]], axis=1)

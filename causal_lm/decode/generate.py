@@ -158,6 +158,14 @@ def _generate_jit(state, tokens, lengths, key, temperature, top_k, top_p, stop_i
     return result
 
 
+@functools.lru_cache(maxsize=4)
+def _replicated_key(mesh):
+    """jax.random.key(seed) made on every device of `mesh` (the same key as on one device)."""
+    from causal_lm import parallel
+
+    return jax.jit(jax.random.key, out_shardings=parallel.replicated(mesh))
+
+
 _STREAM: list = [None]
 TRACES = [0]  # how many generation programs have been traced; see compile_count()
 
@@ -240,9 +248,12 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, us
 
         if parallel.mesh_of(state) != mesh:
             state = parallel.shard_tree(state, parallel.tree_shardings(state, mesh))
+        # Built from host values on every process (arrays of one process's device cannot join a global jit).
         rows = parallel.shard_global_batch({"tokens": tokens, "lengths": np.asarray(lens, np.int32)}, mesh)
-        args = (rows["tokens"], rows["lengths"]) + tuple(parallel.shard_tree(a, parallel.replicated(mesh))
-                                                         for a in args[2:])
+        key = _replicated_key(mesh)(parallel.replicate(np.uint32(seed), mesh))
+        args = (rows["tokens"], rows["lengths"], key) + tuple(
+            parallel.replicate(a, mesh) for a in (np.float32(temperature), np.int32(top_k or 0),
+                                                  np.float32(1.0 if top_p is None else top_p), stop))
     _STREAM[0] = on_step
     try:
         out, out_logits, kv, steps = _generate_jit(

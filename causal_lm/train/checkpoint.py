@@ -41,12 +41,20 @@ class CheckpointError(ValueError):
 
 def _host_copy(tree):
     """Fresh host copies: the training loop donates its device buffers to the next step while orbax is still
-    writing in the background, so the save must not alias them."""
-    return jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(tree))
+    writing in the background, so the save must not alias them. Arrays spread over several processes cannot be
+    fetched by one host: those are copied on their devices (same sharding), and orbax writes each process's
+    shards from its own host."""
+    if all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves(tree)):
+        return jax.tree.map(lambda x: np.array(x, copy=True), jax.device_get(tree))
+    return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else np.array(x, copy=True), tree)
 
 
 def _abstract(tree):
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+    """The restore target: shapes, dtypes and, for arrays laid out on devices, their shardings. Orbax reads each
+    array straight into the target's sharding, which is what restores a checkpoint onto a different mesh
+    (or device count) than the one that saved it."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+                        tree)
 
 
 def shape_mismatches(saved: dict, expected: dict) -> list[str]:
@@ -211,11 +219,14 @@ def restore_params(workdir: str, model, step: Union[None, int, str] = None):
     return meta
 
 
-def load_for_inference(workdir: str, step: Union[None, int, str] = None, overrides: Iterable[str] = ()):
+def load_for_inference(workdir: str, step: Union[None, int, str] = None, overrides: Iterable[str] = (),
+                       mesh=None):
     """(model, tokenizer, config) from a workdir: the latest checkpoint, or `step` ("best" or a number).
 
     overrides: config `key=value` strings applied to the saved config before the model is built (settings that
     keep parameter shapes, e.g. `model.attention_mask=none` or `model.dtype=bfloat16`).
+    mesh: a `causal_lm.parallel.make_mesh` mesh to restore the weights onto, split by the partition rules
+    (whatever mesh or device count saved them); `generate` then runs sharded. None: the default device.
     """
     from flax import nnx
 
@@ -230,7 +241,15 @@ def load_for_inference(workdir: str, step: Union[None, int, str] = None, overrid
         graphdef, abstract_params, rest = nnx.split(abstract, nnx.Param, ...)
         if jax.tree.leaves(rest):  # non-parameter state needs real initial values
             graphdef, _, rest = nnx.split(build_model(config.model), nnx.Param, ...)
-        params, _, _ = ckpt.restore(s, nnx.to_pure_dict(abstract_params))
+        target = nnx.to_pure_dict(abstract_params)
+        if mesh is not None:
+            from causal_lm import parallel
+
+            shardings = parallel.tree_shardings(target, mesh)
+        else:  # an explicit device: a checkpoint saved from a mesh restores only onto a given layout
+            shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.local_devices()[0]), target)
+        target = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), target, shardings)
+        params, _, _ = ckpt.restore(s, target)
     finally:
         ckpt.close()
     model = nnx.merge(graphdef, params, rest)

@@ -19,14 +19,16 @@ from causal_lm.train.state import split_params
 from causal_lm.train.step import eval_sums
 
 
-def evaluate_split(graphdef, params, rest, batches: Sequence[dict], token_bytes: Optional[np.ndarray] = None
-                   ) -> dict:
-    """`evaluate` over an already split model (what the training loop holds)."""
+def evaluate_split(graphdef, params, rest, batches: Sequence[dict], token_bytes: Optional[np.ndarray] = None,
+                   place=None) -> dict:
+    """`evaluate` over an already split model (what the training loop holds). place: lays each numpy batch out
+    on the devices (a sharded model's mesh) before the jitted step; the host-side counts use the numpy batch."""
     import jax
 
     if not batches:
         raise ValueError("evaluate() needs at least one batch")
-    sums = [eval_sums(graphdef, params, rest, b) for b in batches]  # dispatched back to back, one sync below
+    # dispatched back to back, one sync below
+    sums = [eval_sums(graphdef, params, rest, place(b) if place else b) for b in batches]
     loss_sum, count = (float(np.sum(x, dtype=np.float64)) for x in zip(*jax.device_get(sums)))
     if count == 0:
         raise ValueError("the evaluation batches hold no target tokens")

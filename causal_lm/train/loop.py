@@ -9,6 +9,10 @@ and at the end.
 Rerunning on a workdir that has checkpoints resumes from the latest: parameters, optimizer state, RNG and the
 data iterator's position are restored, metrics.jsonl is cut back to that step, and the run continues exactly as
 if it had never stopped (bitwise on CPU).
+
+On several devices (`config.mesh`, see `causal_lm.parallel`) the same loop runs sharded: the state is initialised
+in its shardings, each process feeds the batch rows its devices hold, checkpoints are written and restored shard
+by shard (onto whatever mesh the resuming run has), and only process 0 writes logs, metrics and workdir files.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Callable, Optional
 import jax
 import numpy as np
 
+from causal_lm import parallel
 from causal_lm.config import Config, ConfigError, config_to_dict
 from causal_lm.data.pipeline import build_data
 from causal_lm.data.tokenizer import tokenizer_from_dict
@@ -55,6 +60,16 @@ def _log_steps(t) -> Callable[[int], bool]:
     # Checkpoint steps are log steps too, so a resumed run's logging intervals line up with an uninterrupted run's.
     return lambda s: (s % t.log_every == 0 or s % t.eval_every == 0 or s % t.checkpoint_every == 0
                       or s == t.steps)
+
+
+class _NoWriter:
+    """The metrics writer of processes other than 0."""
+
+    def write(self, record: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 class _Console:
@@ -139,10 +154,18 @@ def train_and_evaluate(config: Config, workdir: str, *,
 def _train(config: Config, workdir: str, ckpt: Checkpointer, data, latest, meta, notes, requested_vocab,
            callback) -> dict:
     t, m = config.train, config.model
+    main = parallel.is_main_process()
     # ---- model, optimizer, state ------------------------------------------------------------------------------
-    graphdef, params, rest = init_params(m, t.seed)
+    mesh = parallel.training_mesh(config.mesh)  # None on one device: the unsharded path
     optimizer = make_optimizer(t)
-    state = init_train_state(params, optimizer, t.seed)
+    if mesh is None:
+        graphdef, params, rest = init_params(m, t.seed)
+        state = init_train_state(params, optimizer, t.seed)
+    else:
+        graphdef, state, rest = parallel.init_train_state(m, t, t.seed, mesh)
+        params = state.params
+        if jax.process_count() > 1:  # each process reads only the rows its devices hold
+            data.train.local_rows = parallel.process_rows(mesh, t.batch_size)
     start = 0
     if meta is not None:
         params, train_state, meta = ckpt.restore(latest, state.params, {
@@ -152,8 +175,13 @@ def _train(config: Config, workdir: str, ckpt: Checkpointer, data, latest, meta,
         else:
             state = dataclasses.replace(state, params=params, **train_state)
             start = int(state.step)
-    write_workdir_files(workdir, config, data.tokenizer)
-    console = _Console(t.progress, t.steps, start)
+    place_batch = None
+    if mesh is not None:
+        state = parallel.shard_tree(state, parallel.train_state_shardings(m, t, mesh)[0])
+        place_batch = lambda b: parallel.shard_global_batch(b, mesh)  # noqa: E731
+    if main:
+        write_workdir_files(workdir, config, data.tokenizer)
+    console = _Console(t.progress and main, t.steps, start)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     flops_per_token = train_flops_per_token(m, params, t.seq_len)
     if requested_vocab != m.vocab_size:
@@ -165,14 +193,20 @@ def _train(config: Config, workdir: str, ckpt: Checkpointer, data, latest, meta,
     console.print(f"model: {n_params:,} parameters, {m.num_layers} layers, d_model {m.d_model}, "
                   f"{m.attention_label if hasattr(m, 'attention_label') else m.attention_type}, vocab {m.vocab_size} "
                   f"({data.tokenizer.kind} tokenizer), {m.dtype} compute on {jax.default_backend()}")
+    if mesh is not None:
+        split = parallel.batch_split(mesh, t.batch_size)
+        console.print(f"devices: {parallel.describe(mesh)}; batch split {split} ways"
+                      + ("" if split == mesh.shape["data"] * mesh.shape["fsdp"] else
+                         f" (train.batch_size={t.batch_size} is not divisible by mesh data x fsdp = "
+                         f"{mesh.shape['data'] * mesh.shape['fsdp']})"))
     console.print(f"data: {config.data.corpus}: " + ", ".join(f"{k} {v:,}" for k, v in data.info.items()
                                                             if isinstance(v, int)))
     console.print(f"training: {t.steps} steps of {t.batch_size}x{t.seq_len} tokens"
                   + (f" in {t.microbatches} microbatches" if t.microbatches > 1 else "")
                   + f", {flops_per_token / 1e6:.1f} MFLOP/token (causal attention counted at half)")
 
-    writer = MetricsWriter(workdir, start)
-    step_fn = compiled_train_step(m, t, graphdef)
+    writer = MetricsWriter(workdir, start) if main else _NoWriter()
+    step_fn = compiled_train_step(m, t, graphdef, mesh)
     is_log = _log_steps(t)
     tokens_per_step = t.batch_size * t.seq_len
     pending: list = []
@@ -183,6 +217,8 @@ def _train(config: Config, workdir: str, ckpt: Checkpointer, data, latest, meta,
     try:
         for step in range(start + 1, t.steps + 1):
             batch = next(data.train)
+            if mesh is not None:
+                batch = parallel.shard_local_batch(batch, mesh, t.batch_size)
             state, metrics = step_fn(state, rest, batch)
             pending.append(metrics)
             interval_steps += 1
@@ -221,7 +257,7 @@ def _train(config: Config, workdir: str, ckpt: Checkpointer, data, latest, meta,
             pending = []
 
             if step % t.eval_every == 0 or step == t.steps:
-                val = evaluate_split(graphdef, state.params, rest, data.val, data.token_bytes)
+                val = evaluate_split(graphdef, state.params, rest, data.val, data.token_bytes, place_batch)
                 record.update(val_loss=val["loss"], val_ppl=val["perplexity"], val_bpb=val.get("bits_per_byte"),
                               val_tokens=val["tokens"])
                 if t.sample_tokens:
@@ -257,7 +293,7 @@ def _train(config: Config, workdir: str, ckpt: Checkpointer, data, latest, meta,
         writer.close()
     if start >= t.steps:
         console.print(f"{workdir} is already trained to step {start} (train.steps={t.steps}); nothing to do")
-        val = evaluate_split(graphdef, state.params, rest, data.val, data.token_bytes)
+        val = evaluate_split(graphdef, state.params, rest, data.val, data.token_bytes, place_batch)
         last = {"step": start, "val_loss": val["loss"], "val_ppl": val["perplexity"],
                 "val_bpb": val.get("bits_per_byte")}
     return last

@@ -63,7 +63,7 @@ def _all_finite(tree) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
 
 
-def compiled_train_step(model_config: ModelConfig, train_config: TrainConfig, graphdef):
+def compiled_train_step(model_config: ModelConfig, train_config: TrainConfig, graphdef, mesh=None):
     """`step(state, rest, batch) -> (state, metrics)`: one jitted program with the state donated.
 
     metrics: loss, grad_norm (before clipping), lr, tokens (weighted targets). A non-finite loss, gradient or
@@ -71,14 +71,17 @@ def compiled_train_step(model_config: ModelConfig, train_config: TrainConfig, gr
     and checkpoint intervals: the step is named exactly without a host sync every step.
     The learning-rate schedule and AdamW settings are traced arguments, so only the model, the microbatch count
     and whether clipping is on select a compiled program.
+    mesh: a `causal_lm.parallel` mesh; the new state then keeps the partition rules' shardings (the state and
+    batch passed in must already be laid out on it) and the metrics come back replicated. None: one device.
     """
-    jitted = _compiled_train_step(model_config, train_config.microbatches, train_config.grad_clip > 0, graphdef)
+    jitted = _compiled_train_step(model_config, train_config.microbatches, train_config.grad_clip > 0, graphdef,
+                                  mesh)
     hp = hyperparams(train_config)
     return lambda state, rest, batch: jitted(state, rest, batch, hp)
 
 
 @functools.lru_cache(maxsize=16)
-def _compiled_train_step(model_config: ModelConfig, microbatches: int, clip: bool, graphdef):
+def _compiled_train_step(model_config: ModelConfig, microbatches: int, clip: bool, graphdef, mesh=None):
     structure = TrainConfig(grad_clip=1.0 if clip else 0.0)  # only grad_clip > 0 shapes the optimizer
 
     def step(state: TrainState, rest, batch, hp):
@@ -97,7 +100,14 @@ def _compiled_train_step(model_config: ModelConfig, microbatches: int, clip: boo
                    "tokens": count}
         return new, metrics
 
-    return jax.jit(step, donate_argnums=0)
+    if mesh is None:
+        return jax.jit(step, donate_argnums=0)
+    from causal_lm import parallel
+
+    # Pinning the output state to the input's shardings keeps the layout (and the compiled program) fixed from
+    # step to step; XLA's partitioner derives the collectives (gradient reduce-scatter, weight all-gathers).
+    state_sh, _ = parallel.train_state_shardings(model_config, structure, mesh)
+    return jax.jit(step, donate_argnums=0, out_shardings=(state_sh, parallel.replicated(mesh)))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
