@@ -24,6 +24,8 @@ def run(args) -> int:
     exp = get(args.name)
     config = load_config(args.config) if args.config else exp.default_config()
     config = apply_overrides(config, args.overrides)
-    exp.run(config, args.out)
+    results = exp.run(config, args.out)
+    if hasattr(exp, "summary"):
+        print(f"{args.name}: {exp.summary(results)}")
     print(f"{args.name}: wrote {args.out}/report.md")
     return 0

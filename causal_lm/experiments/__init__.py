@@ -1,7 +1,8 @@
 """The seed experiments as importable functions, each writing a report, a figure and results.json.
 
 An experiment is a module here with NAME (its command-line name), HELP (one line), default_config() -> Config
-and run(config, out_dir) -> dict; registering it is one line in EXPERIMENTS. `causal-lm experiment NAME --out DIR
+and run(config, out_dir) -> dict, and optionally summary(results) -> str (the line the command prints);
+registering it is one line in EXPERIMENTS. `causal-lm experiment NAME --out DIR
 [--config FILE] [key=value ...]` runs it.
 """
 
@@ -11,6 +12,10 @@ import importlib
 
 EXPERIMENTS = {
     "attention-sink": "causal_lm.experiments.attention_sink",
+    "mask-ablation": "causal_lm.experiments.mask_ablation",
+    "mask-placement": "causal_lm.experiments.mask_placement",
+    "prefix-cost": "causal_lm.experiments.prefix_cost",
+    "nope-position": "causal_lm.experiments.nope_position",
 }
 
 
