@@ -299,7 +299,9 @@ def init_train_state(model_config, train_config, seed: int, mesh: Mesh):
     from causal_lm.train.state import split_params
 
     graphdef = split_params(nnx.eval_shape(lambda: build_model(model_config, 0)))[0]
-    state, rest = _sharded_init(model_config, train_config, seed, mesh)(jax.random.key(seed))
+    # Only whether clipping is on shapes the optimizer state (as in train/step.py): one compiled init per model.
+    structure = type(train_config)(grad_clip=1.0 if train_config.grad_clip > 0 else 0.0)
+    state, rest = _sharded_init(model_config, structure, seed, mesh)(jax.random.key(seed))
     return graphdef, state, rest
 
 
