@@ -100,7 +100,7 @@ def plot(results: dict, path: str) -> str:
     ax.set_ylabel("loss (nats/token)")
     ax.set_title("Training with and without the causal mask")
     ax.set_ylim(0, max(lnv, n["val_loss_with_causal_mask"]) * 1.12)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="center right")
     names = ["causal\n(as trained)", "no mask\n(as trained)", "no mask\n+ causal mask\n(= generation)"]
     vals = [c["val_loss"], n["val_loss"], n["val_loss_with_causal_mask"]]
     bars = bx.bar(names, vals, color=["C0", "C3", "C3"], alpha=0.85)
@@ -108,7 +108,7 @@ def plot(results: dict, path: str) -> str:
     for b, v in zip(bars, vals):
         bx.text(b.get_x() + b.get_width() / 2, v, f"{v:.2f}", ha="center", va="bottom")
     bx.axhline(lnv, color="gray", ls=":")
-    bx.text(2.45, lnv, "ln(vocab)", ha="right", va="bottom", color="gray", fontsize=8)
+    bx.text(-0.4, lnv, "ln(vocab)", ha="left", va="bottom", color="gray", fontsize=8)
     bx.set_ylabel("validation loss")
     bx.set_ylim(0, max(vals + [lnv]) * 1.15)
     bx.set_title("Same held-out rows")
@@ -142,7 +142,7 @@ def report(results: dict) -> str:
         "",
         f"- Without the mask, position i can read token i+1, which is its own label. The model learns to copy it: "
         f"its training loss ends at {n['final_train_loss']:.3f} against {c['final_train_loss']:.3f} with the mask, "
-        f"and its validation loss looks just as good ({n['val_loss']:.3f}) because validation also feeds whole rows "
+        f"and its validation loss looks as good ({n['val_loss']:.3f}) because validation also feeds whole rows "
         "without a mask.",
         f"- Put the causal mask back, which is the situation at generation time (the next token does not exist "
         f"yet), and the same weights score {n['val_loss_with_causal_mask']:.3f} nats/token: "
@@ -164,5 +164,5 @@ def report(results: dict) -> str:
         lines += ["    " + repr(s) for s in results["samples"][name]]
         lines.append("")
     lines += ["Numbers: results.json; training workdirs: causal/ and no_mask/ beside this report "
-              "(`causal-lm generate --workdir ...` works on either).", ""]
+              "(`causal-lm generate --workdir DIR/causal`, and `--no-cache` for DIR/no_mask).", ""]
     return "\n".join(lines)

@@ -101,8 +101,9 @@ def run(config: Optional[Config] = None, out_dir: str = "runs/mask_placement", *
     """Train `config` with the causal mask in out_dir/model (or use `workdir`'s model), draw the views of
     (layer, head) for `prompt`, then change the future: `alt_prompt` must tokenize to the same length.
 
-    head=None picks the head of `layer` whose softmax gives the future the largest share on this prompt (where
-    the placement matters most; a head that already looks only backwards hides the difference).
+    head=None picks the head of `layer` whose unmasked softmax gives the future about a third of each row on this
+    prompt (averaged over rows): a head that already looks only backwards hides the difference, one that looks
+    mostly forwards leaves almost nothing to draw after zeroing.
     """
     from causal_lm.train import load_for_inference
 
@@ -128,7 +129,7 @@ def run(config: Optional[Config] = None, out_dir: str = "runs/mask_placement", *
     views_alt = layer_views(model, alt, layer)
     future_share = 1.0 - views["weights_after"].sum(-1).mean(-1)  # [N]: mean share the softmax gave the future
     if head is None:
-        head = int(np.argmax(future_share))
+        head = int(np.argmin(np.abs(future_share - 1.0 / 3.0)))
     wb, wa = views["weights_before"][head], views["weights_after"][head]
     past = np.arange(T) < first  # query rows that come before the changed token
 
@@ -180,7 +181,7 @@ def summary(results: dict) -> str:
     rb, ra = np.asarray(results["row_sums"]["before"]), np.asarray(results["row_sums"]["after"])
     cb, ca = results["changes"]["before"], results["changes"]["after"]
     return (f"row sums: before softmax {rb.min():.4f}..{rb.max():.4f}, after softmax {ra[:-1].min():.3f}.."
-            f"{ra[:-1].max():.3f} (last row {ra[-1]:.3f}); changing a future token moves past attention rows by "
+            f"{ra[:-1].max():.5f} (last row {ra[-1]:.3f}); changing a future token moves past attention rows by "
             f"{cb['max_weights_change_past']:.1e} (before) vs {ca['max_weights_change_past']:.1e} (after), past "
             f"logits by {cb['max_logits_change_past']:.1e} vs {ca['max_logits_change_past']:.1e}")
 

@@ -121,10 +121,15 @@ def run(config: Optional[Config] = None, out_dir: str = "runs/nope_position", *,
     return results
 
 
+def _where(index: int) -> str:
+    """Name of residual-stream index `index`: 0 = the embeddings, l = the output of block l (1-based)."""
+    return "embeddings" if index == 0 else f"after block {index}"
+
+
 def summary(results: dict) -> str:
     c, n = results["causal"], results["no_mask"]
-    return (f"position probe R^2 (best layer): causal NoPE {c['best_r2']:.3f} (layer {c['best_layer']}), no mask "
-            f"{n['best_r2']:.3f} (layer {n['best_layer']}); chance (shuffled positions) <= "
+    return (f"position probe R^2 (best layer): causal NoPE {c['best_r2']:.3f} ({_where(c['best_layer'])}), no mask "
+            f"{n['best_r2']:.3f} ({_where(n['best_layer'])}); chance (shuffled positions) <= "
             f"{max(c['max_chance_r2'], n['max_chance_r2']):.3f}")
 
 
@@ -150,7 +155,7 @@ def plot(results: dict, path: str) -> str:
     for r, label, color in ((c, "causal mask", "C0"), (n, "no mask", "C3")):
         b = r["binned"]
         m, s = np.asarray(b["mean_prediction"]), np.asarray(b["std_prediction"])
-        bx.plot(b["position"], m, color=color, label=f"{label} (layer {r['best_layer']})")
+        bx.plot(b["position"], m, color=color, label=f"{label} ({_where(r['best_layer'])})")
         bx.fill_between(b["position"], m - s, m + s, color=color, alpha=0.2)
     bx.set_xlabel("true position in the document")
     bx.set_ylabel("probe prediction (mean ± sd)")
@@ -184,7 +189,7 @@ def report(results: dict) -> str:
         "|---|---|---|---|---|---|",
     ]
     for i in range(L):
-        name = "embeddings" if i == 0 else f"block {i - 1}"
+        name = _where(i)
         lines.append(f"| {name} | {c['r2'][i]:.3f} | {c['mae'][i]:.2f} | {n['r2'][i]:.3f} | {n['mae'][i]:.2f} | "
                      f"{c['chance_r2'][i]:.3f} / {n['chance_r2'][i]:.3f} |")
     lines += [
