@@ -301,7 +301,7 @@ def report(results: dict) -> str:
         "",
         "## What changes when a future token changes",
         "",
-        "| placement | rows summing to 1 | max change of a past row of A | past rows that change | max change of "
+        "| placement | rows summing to 1 (within 1e-5) | max change of a past row of A | past rows that change | max change of "
         "this head's output (past) | max change of the logits (past) |",
         "|---|---|---|---|---|---|",
     ]
@@ -315,8 +315,9 @@ def report(results: dict) -> str:
         "softmax normalises over the visible keys only: every row sums to 1, and no row, head output or logit before "
         "the changed token moves at all. One forward pass over the sentence is the same as feeding each prefix.",
         "- After the softmax, the future's scores were already in the denominator: each row keeps only the share "
-        "the past happened to get (the last row, with no future, is the only one summing to 1), and that share "
-        "moves when a future token changes. The future still leaks into the present; renormalising the rows would "
+        "the past happened to get, so every row but the last (which has no future) sums to less than 1, by very "
+        "little where the future keys happen to score far below the past ones; and that share moves when a future "
+        "token changes. The future still leaks into the present; renormalising the rows would "
         "undo it, which is exactly what the pre-softmax mask does.",
         "",
         "## Row sums of A",
