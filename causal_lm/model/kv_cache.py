@@ -103,7 +103,7 @@ def require_causal(config: ModelConfig) -> None:
         raise CacheError(
             f"a KV cache needs attention_mask='causal' (this model uses {config.attention_mask!r}): without the "
             "causal mask an old token's K/V would change when new tokens arrive, so cached values would be "
-            "wrong. Use generate(..., use_cache=False) for this model.")
+            "wrong. Use generate(..., use_cache=False) (or `causal-lm generate --no-cache`) for this model.")
 
 
 def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype: Optional[str] = None):
