@@ -19,6 +19,7 @@ COMMANDS = [
     "causal_lm.commands.kv_bytes",
     "causal_lm.commands.experiment",
     "causal_lm.commands.convert",
+    "causal_lm.commands.bench",
 ]
 
 
