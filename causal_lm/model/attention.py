@@ -20,6 +20,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from causal_lm.config import ModelConfig
@@ -61,12 +62,40 @@ def attention_weights(q, k, visible, *, sink=None, zero_after=None):
 
 def attention_scores(q, k):
     """Scaled dot-product scores S = q.k / sqrt(H) in float32, before any mask: [B, K, G, T, S]."""
+    qh, kh, _ = heads_major(q, k, None)
+    return _scores(qh, kh)
+
+
+def heads_major(q, k, v):
+    """q [B, T, N, H] -> [B, K, G, T, H]; k, v [B, S, K, H] -> [B, K, S, H] (v may be None).
+
+    The score and value matmuls batch over (B, K) with rows T (or S) and columns H contiguous; transposing once
+    here, instead of inside each einsum, lets the query blocks of `attend` slice along T without transposing
+    the keys again for every block.
+    """
     B, T, N, H = q.shape
     K = k.shape[2]
-    G = N // K
-    q = q.reshape(B, T, K, G, H)
-    scores = jnp.einsum("btkgh,bskh->bkgts", q, k, preferred_element_type=jnp.float32)  # [B, K, G, T, S]
+    qh = q.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4)
+    kh = k.transpose(0, 2, 1, 3)
+    return qh, kh, (None if v is None else v.transpose(0, 2, 1, 3))
+
+
+def _scores(qh, kh):
+    """qh [B, K, G, T, H] . kh [B, K, S, H] / sqrt(H) -> float32 [B, K, G, T, S]."""
+    H = qh.shape[-1]
+    if qh.shape[2] == 1:  # MHA / one query per group: a plain batched matmul (a size-1 g axis costs a transpose)
+        scores = jnp.einsum("bkth,bksh->bkts", qh[:, :, 0], kh, preferred_element_type=jnp.float32)[:, :, None]
+    else:
+        scores = jnp.einsum("bkgth,bksh->bkgts", qh, kh, preferred_element_type=jnp.float32)
     return scores * (1.0 / jnp.sqrt(jnp.float32(H)))
+
+
+def _weighted_values(weights, vh):
+    """weights [B, K, G, T, S] . vh [B, K, S, H] -> [B, K, G, T, H]."""
+    weights = weights.astype(vh.dtype)
+    if weights.shape[2] == 1:
+        return jnp.einsum("bkts,bksh->bkth", weights[:, :, 0], vh)[:, :, None]
+    return jnp.einsum("bkgts,bksh->bkgth", weights, vh)
 
 
 def masked_softmax(scores, visible, *, sink=None, zero_after=None):
@@ -79,40 +108,82 @@ def masked_softmax(scores, visible, *, sink=None, zero_after=None):
     _, K, G, _, _ = scores.shape
     vis = visible[:, None, None, :, :]  # [B, 1, 1, T, S]
     scores = jnp.where(vis, scores, MASK_VALUE)
+    if sink is None:
+        # jax.nn.softmax computes exp(s - max) / sum with a custom derivative that keeps only the weights for the
+        # backward pass; differentiating the formula below op by op stores and re-reads several more [B, K, G, T,
+        # S] arrays (a quarter of the attention time of a training step). A masked key gets exp(MASK_VALUE - max)
+        # == 0 exactly when its row has a visible key; a row with none would come out uniform, so it is zeroed.
+        return _zero_after(jax.nn.softmax(scores, axis=-1) * jnp.any(vis, axis=-1, keepdims=True), zero_after)
     row_max = jnp.max(scores, axis=-1, keepdims=True)  # [B, K, G, T, 1]
-    if sink is not None:
-        sink = sink.astype(jnp.float32).reshape(1, K, G, 1, 1)
-        row_max = jnp.maximum(row_max, sink)
+    sink = sink.astype(jnp.float32).reshape(1, K, G, 1, 1)
+    row_max = jnp.maximum(row_max, sink)
     e = jnp.exp(scores - row_max) * vis  # exactly 0 where not visible
-    denom = jnp.sum(e, axis=-1, keepdims=True)
-    if sink is not None:
-        denom = denom + jnp.exp(sink - row_max)
-    weights = e / jnp.maximum(denom, jnp.finfo(jnp.float32).tiny)
+    denom = jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - row_max)
+    return _zero_after(e / jnp.maximum(denom, jnp.finfo(jnp.float32).tiny), zero_after)
+
+
+def _zero_after(weights, zero_after):
+    """The "zero after softmax" research variant: weights [B, K, G, T, S] times zero_after [B, T, S] (or as is)."""
     if zero_after is not None:
         weights = weights * zero_after[:, None, None, :, :]
     return weights
 
 
-def attend(q, k, v, visible, *, sink=None, zero_after=None, impl: str = "xla", return_weights: bool = False):
+def attend(q, k, v, visible, *, sink=None, zero_after=None, impl: str = "xla", return_weights: bool = False,
+           query_block: int = 0):
     """Attention output [B, T, N, H] (and optionally weights [B, N, T, S]).
 
     GQA/MQA: the G query heads of a group attend to their shared K/V head through the einsum's k axis; K and V
     are never repeated to N heads.
+    query_block: when > 0, the caller guarantees that no key after a query's own index is visible (keys = the
+    queries' own tokens, with positions that increase within each segment: training and one-shot prefill). The
+    queries are then taken in blocks of this size and block [i, i + query_block) scores only keys [0, i +
+    query_block): about half the score matmuls and softmax work of the full T x T square for the same result
+    (the mask is still applied inside each block; the skipped keys would have had weight exactly 0).
     """
     B, T, N, H = q.shape
+    S = k.shape[1]
+    blocked = 0 < query_block < T and S == T and not return_weights
+    spans = [(i, min(i + query_block, T)) for i in range(0, T, query_block)] if blocked else [(0, T)]
     if impl == "dot_product_attention" and not return_weights:
         assert sink is None and zero_after is None
-        out = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=visible[:, None, :, :])
-        # A row with no visible key: defined as zeros (the library returns an average of V there).
-        any_visible = jnp.any(visible, axis=-1)  # [B, T]
-        return out * any_visible[:, :, None, None].astype(out.dtype), None
-    weights = attention_weights(q, k, visible, sink=sink, zero_after=zero_after)  # [B, K, G, T, S]
-    K = k.shape[2]
-    out = jnp.einsum("bkgts,bskh->btkgh", weights.astype(v.dtype), v)  # [B, T, K, G, H]
-    out = out.reshape(B, T, N, H)
+        outs = []
+        for i, e in spans:
+            s_end = e if blocked else S
+            vis = visible[:, i:e, :s_end]
+            out = jax.nn.dot_product_attention(q[:, i:e], k[:, :s_end].astype(q.dtype),
+                                               v[:, :s_end].astype(q.dtype), mask=vis[:, None, :, :])
+            # A row with no visible key: defined as zeros (the library returns an average of V there).
+            outs.append(out * jnp.any(vis, axis=-1)[:, :, None, None].astype(out.dtype))
+        return (outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)), None
+    qh, kh, vh = heads_major(q, k, v)
+    outs = []
+    for i, e in spans:
+        s_end = e if blocked else S  # a block's queries see no key after their own block
+        za = None if zero_after is None else zero_after[:, i:e, :s_end]
+        weights = masked_softmax(_scores(qh[:, :, :, i:e], kh[:, :, :s_end]), visible[:, i:e, :s_end], sink=sink,
+                                 zero_after=za)  # [B, K, G, t, s]
+        outs.append(_weighted_values(weights, vh[:, :, :s_end]))  # [B, K, G, t, H]
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
+    out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
     if return_weights:
-        return out, weights.reshape(B, N, T, -1)
+        return out, weights.reshape(B, N, T, S)
     return out, None
+
+
+def project(x, w, n_in: int = 1, preferred_element_type=None):
+    """Contract the last `n_in` dims of x [..., *in] with the first `n_in` of w [*in, *out] -> [..., *out].
+
+    Computed as one 2-D matmul over flattened rows, [rows, prod(in)] @ [prod(in), prod(out)]. The same einsum on
+    3-D/4-D operands differentiates into dot_generals whose weight gradient XLA:CPU feeds through a strided
+    transpose of the output gradient (a third of a training step at the benchmark shape); on flattened rows
+    both the forward and the backward are plain matmuls.
+    """
+    in_shape, out_shape = w.shape[:n_in], w.shape[n_in:]
+    lead = x.shape[:x.ndim - n_in]
+    y = jnp.matmul(x.reshape(-1, int(np.prod(in_shape))), w.reshape(int(np.prod(in_shape)), -1),
+                   preferred_element_type=preferred_element_type)
+    return y.reshape(lead + out_shape)
 
 
 def _normal(rngs: nnx.Rngs, shape, std, dtype):
@@ -145,7 +216,7 @@ class Attention(nnx.Module):
         """Queries for the tokens: [B, T, N, H] (rotated with RoPE)."""
         c = self.config
         dt = jnp.dtype(c.dtype)
-        q = jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(dt))  # [B, T, N, H]
+        q = project(x, self.wq[...].astype(dt))  # [B, T, N, H]
         if c.qkv_bias:
             q = q + self.bq[...].astype(dt)
         if cos is not None:
@@ -156,8 +227,8 @@ class Attention(nnx.Module):
         """K and V for the new tokens: [B, T, K, H] each (K rotated, V never)."""
         c = self.config
         dt = jnp.dtype(c.dtype)
-        k = jnp.einsum("btd,dkh->btkh", x, self.wk[...].astype(dt))
-        v = jnp.einsum("btd,dkh->btkh", x, self.wv[...].astype(dt))
+        k = project(x, self.wk[...].astype(dt))  # [B, T, K, H]
+        v = project(x, self.wv[...].astype(dt))
         if c.qkv_bias:
             k = k + self.bk[...].astype(dt)
             v = v + self.bv[...].astype(dt)
@@ -166,7 +237,7 @@ class Attention(nnx.Module):
         return k, v
 
     def __call__(self, x, *, cos, sin, visible, zero_after=None, layer_cache=None, starts=None,
-                 return_weights=False):
+                 return_weights=False, query_block=0):
         """x: [B, T, D] -> [B, T, D].
 
         layer_cache: optional (k, v) [B, S, K, H] of this layer; the chunk's K/V are written at per-row offsets
@@ -185,9 +256,9 @@ class Attention(nnx.Module):
             k, v = new_cache[0].astype(dt), new_cache[1].astype(dt)
         sink = self.sink[...] if c.attn_sink else None
         out, weights = attend(q, k, v, visible, sink=sink, zero_after=zero_after, impl=c.attention_impl,
-                              return_weights=return_weights)  # [B, T, N, H]
+                              return_weights=return_weights, query_block=query_block)  # [B, T, N, H]
         if c.attn_output_gate:
-            gate = jax.nn.sigmoid(jnp.einsum("btd,dnh->btnh", x, self.wg[...].astype(dt)).astype(jnp.float32))
+            gate = jax.nn.sigmoid(project(x, self.wg[...].astype(dt)).astype(jnp.float32))
             out = (out.astype(jnp.float32) * gate).astype(dt)
-        out = jnp.einsum("btnh,nhd->btd", out.astype(dt), self.wo[...].astype(dt))
+        out = project(out.astype(dt), self.wo[...].astype(dt), n_in=2)  # [B, T, D]
         return out, new_cache, weights

@@ -91,8 +91,9 @@ class MLAttention(nnx.Module):
         return latent, rope_key
 
     def __call__(self, x, *, cos, sin, visible, zero_after=None, layer_cache=None, starts=None,
-                 return_weights=False):
-        """x: [B, T, D] -> (out [B, T, D], new layer cache or None, weights [B, N, T, S] or None)."""
+                 return_weights=False, query_block=0):
+        """x: [B, T, D] -> (out [B, T, D], new layer cache or None, weights [B, N, T, S] or None).
+        query_block is accepted for the Block interface and unused: MLA scores all keys in one block."""
         c = self.config
         dt = jnp.dtype(c.dtype)
         q_nope, q_rope = self.project_q(x, cos, sin)  # [B, T, N, Hn], [B, T, N, Hr]
