@@ -71,8 +71,9 @@ def test_a_broken_cache_is_caught(monkeypatch):
     """The equivalence check can fail: a cache that writes one slot too far is detected."""
     from causal_lm.model import attention, kv_cache
 
-    real = kv_cache.write_rows
-    monkeypatch.setattr(attention, "write_rows", lambda buf, new, starts: real(buf, new, starts + 1))
+    real = kv_cache.write_layer_rows
+    monkeypatch.setattr(attention, "write_layer_rows",
+                        lambda buf, layer, new, starts: real(buf, layer, new, starts + 1))
     model = build_model(tiny_config("gqa", "rope_full", vocab_size=59), seed=0)  # fresh config: fresh trace
     with pytest.raises(AssertionError):
         assert_cache_equals_recompute(model, new=8)

@@ -75,6 +75,9 @@ def _generate_jit(state, tokens, lengths, key, temperature, top_k, top_p, stop_i
     model = nnx.merge(graphdef, state)
     c = model.config
     B = tokens.shape[0]
+    # Each layer's weights sliced out of the stacked arrays once, here: the decode loop's steps then read them
+    # in place instead of copying every layer's weights out of the stack at every step.
+    layers = model.split_layers()
     total = prompt_len + max_new
     arange_total = jnp.arange(total, dtype=jnp.int32)
 
@@ -98,7 +101,8 @@ def _generate_jit(state, tokens, lengths, key, temperature, top_k, top_p, stop_i
         step_state = cache
 
         def advance(step_state, tok, active):
-            logits, cache = model(tok[:, None], segment_ids=active[:, None].astype(jnp.int32), cache=step_state)
+            logits, cache = model(tok[:, None], segment_ids=active[:, None].astype(jnp.int32), cache=step_state,
+                                  layers=layers)
             return logits[:, 0], _shard_cache(cache, mesh), active.astype(jnp.int32)
     else:
         buf = jnp.zeros((B, total), jnp.int32).at[:, :prompt_len].set(tokens)

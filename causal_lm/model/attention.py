@@ -24,7 +24,7 @@ import numpy as np
 from flax import nnx
 
 from causal_lm.config import ModelConfig
-from causal_lm.model.kv_cache import write_rows
+from causal_lm.model.kv_cache import write_layer_rows
 from causal_lm.model.rope import apply_rope
 
 # Finite large negative for masked float32 scores: -inf would turn a row with no visible key into NaN.
@@ -88,6 +88,38 @@ def _scores(qh, kh):
     else:
         scores = jnp.einsum("bkgth,bksh->bkgts", qh, kh, preferred_element_type=jnp.float32)
     return scores * (1.0 / jnp.sqrt(jnp.float32(H)))
+
+
+# Up to this many queries (a decode step, a short chunk), attention reads K and V in their cache layout
+# [B, S, K, H] instead of transposing them to heads-major first.
+FEW_QUERIES = 8
+
+
+def _scores_in_place(q, k):
+    """Scores [B, K, G, T, S] of q [B, T, N, H] against k [B, S, K, H] in k's own layout.
+
+    A batched matmul needs its batch axes (b, k) leading, so the heads-major form first copies the whole layer
+    of keys into that order; in a decode step that copy (and V's) cost as much as all the weight reads. Here
+    the T*N queries meet all S*K key vectors in one matmul over the row's contiguous [S*K, H] block, and the
+    pairs of a query head with its own KV head are picked out after: K times the score FLOPs, which is nothing
+    for a few queries, and the cache is read once, in place.
+    """
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    pairs = jnp.einsum("bqh,bjh->bqj", q.reshape(B, T * N, H), k.reshape(B, S * K, H),
+                       preferred_element_type=jnp.float32).reshape(B, T, K, N // K, S, K)
+    scores = jnp.diagonal(pairs, axis1=2, axis2=5)  # query head group k with key head k: [B, T, G, S, K]
+    return scores.transpose(0, 4, 2, 1, 3) * (1.0 / jnp.sqrt(jnp.float32(H)))  # [B, K, G, T, S]
+
+
+def _weighted_values_in_place(weights, v):
+    """weights [B, K, G, T, S] . v [B, S, K, H] in v's own layout (as `_scores_in_place`) -> [B, T, N, H]."""
+    B, K, G, T, S = weights.shape
+    H = v.shape[-1]
+    w = weights.astype(v.dtype).transpose(0, 3, 1, 2, 4).reshape(B, T * K * G, S)
+    pairs = jnp.einsum("bqs,bsj->bqj", w, v.reshape(B, S, K * H)).reshape(B, T, K, G, K, H)
+    out = jnp.diagonal(pairs, axis1=2, axis2=4)  # [B, T, G, H, K]
+    return out.transpose(0, 1, 4, 2, 3).reshape(B, T, K * G, H)
 
 
 def _weighted_values(weights, vh):
@@ -156,6 +188,10 @@ def attend(q, k, v, visible, *, sink=None, zero_after=None, impl: str = "xla", r
             # A row with no visible key: defined as zeros (the library returns an average of V there).
             outs.append(out * jnp.any(vis, axis=-1)[:, :, None, None].astype(out.dtype))
         return (outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)), None
+    if T <= FEW_QUERIES and k.shape[2] > 1:  # decode: attend over the cache where it lies (see _scores_in_place)
+        weights = masked_softmax(_scores_in_place(q, k), visible, sink=sink, zero_after=zero_after)
+        out = _weighted_values_in_place(weights, v)  # [B, T, N, H]
+        return out, (weights.reshape(B, N, T, S) if return_weights else None)
     qh, kh, vh = heads_major(q, k, v)
     outs = []
     for i, e in spans:
@@ -240,9 +276,10 @@ class Attention(nnx.Module):
                  return_weights=False, query_block=0):
         """x: [B, T, D] -> [B, T, D].
 
-        layer_cache: optional (k, v) [B, S, K, H] of this layer; the chunk's K/V are written at per-row offsets
-        `starts` [B] and the queries attend over the whole cache (the mask hides unwritten slots). Without a
-        cache the keys are the chunk's own tokens. Returns (out, new_layer_cache or None, weights or None).
+        layer_cache: optional (buffers, layer): the cache's (k, v) buffers [L, B, S, K, H] and this layer's index;
+        the chunk's K/V are written into layer `layer` at per-row offsets `starts` [B] and the queries attend over
+        the layer's whole cache (the mask hides unwritten slots). Without a cache the keys are the chunk's own
+        tokens. Returns (out, new (k, v) buffers or None, weights or None).
         """
         c = self.config
         dt = jnp.dtype(c.dtype)
@@ -251,9 +288,9 @@ class Attention(nnx.Module):
         if layer_cache is None:
             k, v, new_cache = k_new, v_new, None
         else:
-            ck, cv = layer_cache
-            new_cache = (write_rows(ck, k_new, starts), write_rows(cv, v_new, starts))
-            k, v = new_cache[0].astype(dt), new_cache[1].astype(dt)
+            (ck, cv), layer = layer_cache
+            new_cache = (write_layer_rows(ck, layer, k_new, starts), write_layer_rows(cv, layer, v_new, starts))
+            k, v = new_cache[0][layer].astype(dt), new_cache[1][layer].astype(dt)  # [B, S, K, H]
         sink = self.sink[...] if c.attn_sink else None
         out, weights = attend(q, k, v, visible, sink=sink, zero_after=zero_after, impl=c.attention_impl,
                               return_weights=return_weights, query_block=query_block)  # [B, T, N, H]

@@ -132,6 +132,27 @@ def write_rows(buf, new, starts):
     return jax.vmap(one)(buf, new, starts)
 
 
+def write_layer_rows(buf, layer, new, starts):
+    """Write new [B, T, ...] into layer `layer` of buf [L, B, S, ...] at per-row slot offsets starts [B].
+
+    One scatter into the whole buffer, batched over its B axis where it lies (a vmapped update would move that
+    axis to the front and transpose the whole cache), which XLA does in place when the buffer is donated or a
+    loop carry. Slicing the layer out, writing into the slice and writing the slice back (`write_rows` on
+    `buf[layer]`) copies the layer's whole K/V twice per call: a quarter of a batch-1 decode step.
+    Out-of-range slots are dropped (callers check capacity on the host first, see `check_capacity`).
+    """
+    new = new.astype(buf.dtype)
+    B, T = new.shape[:2]
+    slots = starts[:, None].astype(jnp.int32) + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
+    index = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (B, T)), slots], axis=-1)  # [B, T, 2]
+    rest = tuple(range(2, new.ndim))  # the per-slot entry's own axes, e.g. (K, H)
+    dims = jax.lax.ScatterDimensionNumbers(
+        update_window_dims=rest, inserted_window_dims=(0, 2), scatter_dims_to_operand_dims=(0, 2),
+        operand_batching_dims=(1,), scatter_indices_batching_dims=(0,))
+    return jax.lax.scatter(buf, index, new, dims, indices_are_sorted=True, unique_indices=True,
+                           mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+
+
 def check_capacity(cache, num_new: int) -> None:
     """Raise before compute if writing `num_new` slots at each row's length would run past the end."""
     lengths = np.asarray(jax.device_get(cache.lengths))

@@ -28,7 +28,7 @@ from flax import nnx
 
 from causal_lm.config import ModelConfig
 from causal_lm.model.attention import _normal, masked_softmax
-from causal_lm.model.kv_cache import write_rows
+from causal_lm.model.kv_cache import write_layer_rows
 from causal_lm.model.rope import apply_rope
 
 
@@ -101,9 +101,10 @@ class MLAttention(nnx.Module):
         if layer_cache is None:
             latent, rope_key, new_cache = latent_new, rope_new, None
         else:
-            cached_latent, cached_rope = layer_cache
-            new_cache = (write_rows(cached_latent, latent_new, starts), write_rows(cached_rope, rope_new, starts))
-            latent, rope_key = new_cache[0].astype(dt), new_cache[1].astype(dt)  # [B, S, R], [B, S, Hr]
+            (cached_latent, cached_rope), layer = layer_cache  # [L, B, S, R], [L, B, S, Hr]
+            new_cache = (write_layer_rows(cached_latent, layer, latent_new, starts),
+                         write_layer_rows(cached_rope, layer, rope_new, starts))
+            latent, rope_key = new_cache[0][layer].astype(dt), new_cache[1][layer].astype(dt)  # [B, S, R], [B, S, Hr]
         wk_b, wv_b = self.wk_b[...].astype(dt), self.wv_b[...].astype(dt)
         scale = 1.0 / jnp.sqrt(jnp.float32(c.qk_nope_dim + c.rope_dim))
         f32 = jnp.float32

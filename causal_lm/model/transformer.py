@@ -116,15 +116,17 @@ class Decoder(nnx.Module):
             self.lm_head = _normal(rngs, (c.d_model, c.vocab_size), c.init_std, pd)
 
     # ---- public entry points -----------------------------------------------------------------------------
-    def __call__(self, tokens, *, positions=None, segment_ids=None, cache: Optional[KVCache] = None):
+    def __call__(self, tokens, *, positions=None, segment_ids=None, cache: Optional[KVCache] = None, layers=None):
         """tokens [B, T] int -> (logits [B, T, V] float32, new cache or None).
 
         positions: [B, T] ints; default 0..T-1 (restarting at each segment when segment_ids are given), or with
         a cache each row's cached length + 0..T-1. segment_ids: [B, T] ints, 0 marks padding; tokens attend only
         within their own segment (packed documents). With a cache, valid tokens must come first in each row
-        (right padding) and segment_ids only marks which are valid.
+        (right padding) and segment_ids only marks which are valid. layers: `split_layers()` of this model, to
+        run the blocks on weights sliced once by the caller (see there).
         """
-        logits, cache, _ = self.forward(tokens, positions=positions, segment_ids=segment_ids, cache=cache)
+        logits, cache, _ = self.forward(tokens, positions=positions, segment_ids=segment_ids, cache=cache,
+                                        layers=layers)
         return logits, cache
 
     def attention_weights(self, tokens, *, positions=None, segment_ids=None):
@@ -180,7 +182,7 @@ class Decoder(nnx.Module):
                                  f"[{p.min()}, {p.max()}]")
 
     def forward(self, tokens, *, positions=None, segment_ids=None, cache=None, return_weights=False,
-                input_embeddings=None, return_hidden=False):
+                input_embeddings=None, return_hidden=False, layers=None):
         """(logits, new cache, weights). input_embeddings [B, T, D] replaces the token lookup (for gradient
         probes such as the no-leak test); tokens still give the shape. return_hidden=True appends the residual
         stream [L+1, B, T, D] (embeddings, then each block's output) as a fourth element."""
@@ -236,7 +238,7 @@ class Decoder(nnx.Module):
                    masks=masks if len(set(windows)) > 1 else None)
 
         x0 = x
-        x, new_kv, weights = self._run_blocks(x, ctx, None if cache is None else cache.buffers)
+        x, new_kv, weights = self._run_blocks(x, ctx, None if cache is None else cache.buffers, layers)
         hidden = None
         if return_hidden:  # the scan emitted (weights, block outputs)
             weights, hidden = weights
@@ -251,23 +253,34 @@ class Decoder(nnx.Module):
             return logits, new_cache, weights, hidden
         return logits, new_cache, weights
 
-    def _run_blocks(self, x, ctx, kv):
+    def split_layers(self) -> list:
+        """The stacked blocks' state as a list of L per-layer states, for `forward(..., layers=...)`.
+
+        A loop that runs the model many times over the same weights (the decode loop of `generate`) slices them
+        once, outside the loop, and passes them in: the blocks then run unrolled on these slices. Run from the
+        stacked arrays, every step of the loop would first copy each layer's weights out of them (a third of a
+        batch-1 decode step at the benchmark shape).
+        """
+        _, state = nnx.split(self.blocks)
+        return [jax.tree.map(lambda a, i=i: a[i], state) for i in range(self.config.num_layers)]
+
+    def _run_blocks(self, x, ctx, kv, layers=None):
         c = self.config
         graphdef, state = nnx.split(self.blocks)
         windows = jnp.asarray(c.layer_windows, jnp.int32)  # [L]
 
         def body(carry, layer_state):
             x, kv, i = carry
-            layer_cache = None
-            if kv is not None:
-                layer_cache = tuple(buf[i] for buf in kv)  # (k, v) or MLA's (latent, rope_key)
+            # The whole cache buffers (k, v) or MLA's (latent, rope_key), [L, B, S, ...], and this layer's index:
+            # the layer writes its new entries into them in place and reads its own slice.
+            layer_cache = None if kv is None else (kv, i)
             layer_ctx = ctx
             if ctx["masks"] is not None:  # layers differ in their sliding window
                 visible, zero_after = ctx["masks"](windows[i])
                 layer_ctx = dict(ctx, visible=visible, zero_after=zero_after)
-            x, new_layer, w = nnx.merge(graphdef, layer_state)(x, layer_ctx, layer_cache)
+            x, new_kv, w = nnx.merge(graphdef, layer_state)(x, layer_ctx, layer_cache)
             if kv is not None:
-                kv = tuple(jax.lax.dynamic_update_index_in_dim(buf, new, i, 0) for buf, new in zip(kv, new_layer))
+                kv = new_kv
             return (x, kv, i + 1), ((w, x) if ctx.get("return_hidden") else w)
 
         if c.remat:  # keep only each block's input for the backward pass; recompute the rest (least memory)
@@ -278,12 +291,12 @@ class Decoder(nnx.Module):
             # (4% of a training step at the benchmark shape on a CPU), and less memory. No effect without a grad.
             body = jax.checkpoint(body, prevent_cse=not c.scan_layers, policy=jax.checkpoint_policies.dots_saveable)
         carry = (x, kv, jnp.int32(0))
-        if c.scan_layers:
+        if c.scan_layers and layers is None:
             carry, weights = jax.lax.scan(body, carry, state)
         else:
             ws = []
             for i in range(c.num_layers):
-                carry, w = body(carry, jax.tree.map(lambda a: a[i], state))
+                carry, w = body(carry, jax.tree.map(lambda a: a[i], state) if layers is None else layers[i])
                 ws.append(w)
             weights = None if ws[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *ws)
         x, kv, _ = carry
