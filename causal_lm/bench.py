@@ -218,11 +218,14 @@ def compile_seconds(config: Config, num_layers: Optional[int] = None) -> float:
     return _compile_train_step(config, graphdef, state, rest, batch)[1]
 
 
+SETTLE_SECONDS = 1.0
+
+
 def _settle() -> None:
-    """A one-second pause before a timed section. torch's OpenMP threads spin-wait by default; on a busy 2-core
-    machine, the forward's and the backward's thread teams then stall each other (1 s per step of a model that
-    takes 0.02 s) until the threads have idled once. Both sides get the same pause."""
-    time.sleep(1.0)
+    """A pause (SETTLE_SECONDS) before a timed section. torch's OpenMP threads spin-wait by default; on a busy
+    2-core machine, the forward's and the backward's thread teams then stall each other (1 s per step of a model
+    that takes 0.02 s) until the threads have idled once. Both sides get the same pause."""
+    time.sleep(SETTLE_SECONDS)
 
 
 def _time_steps(run_step: Callable[[], None], steps: int, warmup: int) -> list:

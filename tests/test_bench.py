@@ -1,0 +1,78 @@
+"""Smoke test of the benchmarks at tiny shapes: JSON keys the issue specifies, sane values. Never wall-clock targets."""
+
+import json
+
+import pytest
+
+from causal_lm import bench
+from causal_lm.cli import main
+from causal_lm.config import Config, ModelConfig, TrainConfig
+
+TINY = Config(model=ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=2, mlp_dim=64, max_seq_len=64),
+              train=TrainConfig(batch_size=2, seq_len=16))
+CEILINGS = {"matmul_flops": 1e10, "mem_bw_bytes_per_s": 1e10, "matmul_n": 0}  # no time spent measuring the machine
+
+
+@pytest.fixture(autouse=True)
+def no_pauses(monkeypatch):
+    monkeypatch.setattr(bench, "SETTLE_SECONDS", 0.0)
+
+
+def _positive(x):
+    return isinstance(x, float) and x > 0
+
+
+def test_bench_train_keys_and_sanity():
+    r = bench.bench_train(TINY, steps=1, warmup=1, compile_layers=(1, 2), ceilings=CEILINGS)
+    json.dumps(r)  # JSON-serialisable as printed by --json
+    assert set(r) >= {"machine", "jax_version", "ours", "peer", "ratio_vs_peer"}
+    assert set(r["machine"]) >= {"matmul_flops", "mem_bw_bytes_per_s"}
+    ours = r["ours"]
+    assert set(ours) >= {"tokens_per_s", "step_s", "mfu", "compile_s"}
+    assert all(_positive(ours[k]) for k in ("tokens_per_s", "step_s", "mfu", "compile_s"))
+    assert ours["tokens_per_s"] == pytest.approx(2 * 16 / ours["step_s"])
+    assert set(r["compile_layers"]) == {"1", "2", "ratio"} and _positive(r["compile_layers"]["ratio"])
+    if r["peer_status"] == "ok":  # torch + transformers installed: same weights, same batch -> same first loss
+        assert _positive(r["peer"]["tokens_per_s"]) and _positive(r["ratio_vs_peer"])
+        assert r["peer"]["first_loss"] == pytest.approx(ours["first_loss"], rel=1e-4)
+    else:
+        assert r["peer"] is None and r["ratio_vs_peer"] is None and r["peer_status"] == bench.NOT_INSTALLED
+    assert "tokens/s" in bench.format_train(r)
+
+
+def test_bench_decode_keys_and_sanity():
+    r = bench.bench_decode(TINY, contexts=(8,), batches=(2,), new_tokens=2, recompute_new_tokens=1, reps=1,
+                           ceilings=CEILINGS)
+    json.dumps(r)
+    assert set(r) >= {"machine", "jax_version", "rows"}
+    assert [(w["context"], w["batch"]) for w in r["rows"]] == [(8, 2)]
+    for w in r["rows"]:
+        assert set(w) >= {"context", "batch", "cached_tokens_per_s", "recompute_tokens_per_s",
+                          "bandwidth_floor_fraction", "peer_cached_tokens_per_s", "peer_recompute_tokens_per_s"}
+        assert all(_positive(w[k]) for k in ("cached_tokens_per_s", "recompute_tokens_per_s",
+                                             "bandwidth_floor_fraction", "bytes_per_token"))
+        if r["peer_status"] == "ok":
+            assert _positive(w["peer_cached_tokens_per_s"]) and _positive(w["cached_ratio_vs_peer"])
+        else:
+            assert w["peer_cached_tokens_per_s"] is None
+    # bytes per generated token: all weights once per step, shared by the batch, plus each row's K/V
+    w = r["rows"][0]
+    assert w["bytes_per_token"] == pytest.approx(r["weight_bytes"] / 2 + r["kv_bytes_per_token"] * (8 + 1 + 2 / 2))
+    assert "cached" in bench.format_decode(r)
+
+
+def test_decode_bytes_per_token():
+    m = TINY.model
+    kv = m.kv_bytes_per_token(4)
+    assert kv == 2 * 2 * 32 * 4  # layers x (K and V) x d_model x float32
+    assert bench.decode_bytes_per_token(m, 1000, 10, 1) == 1000 + 10 * kv
+    assert bench.decode_bytes_per_token(m, 1000, 10, 4) == 1000 / 4 + 10 * kv
+
+
+def test_cli_bench_json_without_peer(capsys, monkeypatch):
+    monkeypatch.setattr(bench, "machine_ceilings", lambda quick=False: CEILINGS)
+    assert main(["bench", "train", "--json", "--no-peer", "--steps", "1", "--warmup", "1", "--compile-layers", "",
+                 "--config", "tiny", "model.num_layers=1", "train.batch_size=2", "train.seq_len=8"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["peer"] is None and r["ratio_vs_peer"] is None and r["peer_status"] == "skipped"
+    assert r["ours"]["tokens_per_s"] > 0
