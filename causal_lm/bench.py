@@ -394,6 +394,55 @@ def _peer_runner(peer, prompts: np.ndarray, use_cache: bool):
     return run
 
 
+def decode_loop_comparison(model, context: int, batch: int = 1, n: int = 64, reps: int = 2) -> dict:
+    """ms per generated token (greedy, cached) of generate's on-device while_loop vs a Python loop over a jitted
+    one-token step (cache donated, the layers' weights sliced once, tokens kept on the device), and the same
+    Python loop reading each token back to the host (what a streaming loop in Python does)."""
+    from flax import nnx
+
+    from causal_lm.model.kv_cache import init_cache
+
+    graphdef, state = nnx.split(model)
+    prompts = np.random.default_rng(1).integers(0, model.config.vocab_size, (batch, context), dtype=np.int32)
+    device_loop = _decode_seconds(_ours_runner(model, prompts, True), n, reps) / n
+
+    @jax.jit
+    def split(state):
+        return nnx.merge(graphdef, state).split_layers()
+
+    @functools.partial(jax.jit, donate_argnames=("cache",))
+    def prefill(state, tokens, cache):
+        logits, cache = nnx.merge(graphdef, state)(tokens, cache=cache)
+        return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache
+
+    @functools.partial(jax.jit, donate_argnames=("cache",))
+    def step(state, layers, tok, cache):
+        logits, cache = nnx.merge(graphdef, state)(tok[:, None], cache=cache, layers=layers)
+        return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache
+
+    layers = split(state)
+    tokens = jnp.asarray(prompts)
+
+    def python_loop(sync: bool) -> float:
+        tok, cache = prefill(state, tokens, init_cache(model.config, batch, context + n + 1))
+        tok, cache = step(state, layers, tok, cache)  # compiled and warm
+        jax.block_until_ready(tok)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            tok, cache = step(state, layers, tok, cache)
+            if sync:
+                np.asarray(tok)
+        jax.block_until_ready(tok)
+        return (time.perf_counter() - t0) / n
+
+    python_loop(False)
+    _settle()
+    async_loop = min(python_loop(False) for _ in range(reps))
+    sync_loop = min(python_loop(True) for _ in range(reps))
+    return {"context": context, "batch": batch, "new_tokens": n, "while_loop_ms_per_step": 1e3 * device_loop,
+            "python_loop_ms_per_step": 1e3 * async_loop, "python_loop_host_sync_ms_per_step": 1e3 * sync_loop}
+
+
 def decode_bytes_per_token(m: ModelConfig, weight_bytes: int, context: float, batch: int) -> float:
     """Bytes a decode step must read per generated token: every weight once per step (shared by the batch) plus
     each row's cached K/V for `context` tokens."""
@@ -404,14 +453,14 @@ def decode_bytes_per_token(m: ModelConfig, weight_bytes: int, context: float, ba
 def bench_decode(config: Config, *, contexts: Sequence[int] = DEFAULT_CONTEXTS,
                  batches: Sequence[int] = DEFAULT_BATCHES, new_tokens: Optional[int] = None,
                  recompute_new_tokens: Optional[int] = None, reps: Optional[int] = None, peer: bool = True,
-                 quick: bool = False, ceilings: Optional[dict] = None) -> dict:
+                 quick: bool = False, ceilings: Optional[dict] = None, compare_loops: bool = True) -> dict:
     """Decode throughput of `generate` with and without the KV cache, per (context, batch), and of the peer.
 
     new_tokens (cached) and recompute_new_tokens are the decode steps timed after the prompt (a recompute step
     costs a whole forward pass over the context, so it gets fewer). Returns the JSON object of
     `causal-lm bench decode --json`: machine, jax_version and rows [{context, batch, cached_tokens_per_s,
     recompute_tokens_per_s, bandwidth_floor_fraction, peer_cached_tokens_per_s, peer_recompute_tokens_per_s,
-    ...}].
+    ...}], and decode_loop: `decode_loop_comparison` at context 512 (or the first), batch 1.
     """
     from flax import nnx
 
@@ -463,6 +512,9 @@ def bench_decode(config: Config, *, contexts: Sequence[int] = DEFAULT_CONTEXTS,
             row["recompute_ratio_vs_peer"] = _ratio(row["recompute_tokens_per_s"],
                                                     row["peer_recompute_tokens_per_s"])
             rows.append(row)
+    loop = None
+    if compare_loops:
+        loop = decode_loop_comparison(model, 512 if 512 in contexts else contexts[0], 1, n=min(n, 64), reps=reps)
     return {
         "benchmark": "decode",
         "machine": machine,
@@ -473,6 +525,7 @@ def bench_decode(config: Config, *, contexts: Sequence[int] = DEFAULT_CONTEXTS,
         "kv_bytes_per_token": m.kv_bytes_per_token(jnp.dtype(m.dtype).itemsize),
         "peer_status": status,
         "rows": rows,
+        "decode_loop": loop,
     }
 
 
@@ -539,4 +592,10 @@ def format_decode(r: dict) -> str:
             f"{w['bandwidth_floor_fraction'] * 100:>7.0f}% {_fmt(w['peer_cached_tokens_per_s'], ',.1f', miss):>12s} "
             f"{_fmt(w['peer_recompute_tokens_per_s'], ',.1f', miss):>12s} "
             f"{_fmt(w['cached_ratio_vs_peer'], '.2f', miss):>12s} {_fmt(w['recompute_ratio_vs_peer'], '.2f', miss):>12s}")
+    lp = r.get("decode_loop")
+    if lp:
+        lines += ["", f"decode loop, context {lp['context']}, batch {lp['batch']}, ms per step: on-device while_loop "
+                      f"{lp['while_loop_ms_per_step']:.2f}; Python loop over a jitted step "
+                      f"{lp['python_loop_ms_per_step']:.2f} (reading each token on the host: "
+                      f"{lp['python_loop_host_sync_ms_per_step']:.2f})"]
     return "\n".join(lines)
