@@ -353,12 +353,15 @@ def bench_train(config: Config, *, steps: Optional[int] = None, warmup: Optional
 
 def _decode_seconds(run: Callable[[int], None], n: int, reps: int) -> float:
     """Seconds for n decode steps: best t(1 + n new tokens) - best t(1 new token) (prefill and the first token
-    cancel). Each length runs once first (compiles, warms up)."""
+    cancel). Each length runs once first (compiles, warms up); then the two alternate, so a burst of load on a
+    shared machine tends to hit one rep of each rather than all of one."""
     run(1)
     run(1 + n)
     _settle()
-    t_one = min(_timed(lambda: run(1)) for _ in range(reps))
-    t_all = min(_timed(lambda: run(1 + n)) for _ in range(reps))
+    t_one = t_all = float("inf")
+    for _ in range(reps):
+        t_one = min(t_one, _timed(lambda: run(1)))
+        t_all = min(t_all, _timed(lambda: run(1 + n)))
     return max(t_all - t_one, 1e-9)
 
 
@@ -471,8 +474,8 @@ def bench_decode(config: Config, *, contexts: Sequence[int] = DEFAULT_CONTEXTS,
     if quick:
         contexts, batches = tuple(c for c in contexts if c <= 512) or tuple(contexts)[:1], tuple(batches)[:1]
     n = new_tokens if new_tokens is not None else (8 if quick else 128)
-    n_re = recompute_new_tokens if recompute_new_tokens is not None else (2 if quick else 8)
-    reps = reps if reps is not None else (1 if quick else 2)
+    n_re = recompute_new_tokens if recompute_new_tokens is not None else (2 if quick else 4)
+    reps = reps if reps is not None else (1 if quick else 3)
     longest = max(contexts) + 1 + max(n, n_re)
     if longest > m.max_seq_len:
         raise ValueError(f"context {max(contexts)} + {1 + max(n, n_re)} new tokens exceeds model.max_seq_len="

@@ -29,8 +29,8 @@ def register(sub):
     d.add_argument("--batches", default="1,8", help="batch sizes, comma-separated")
     d.add_argument("--new-tokens", type=int, default=None, help="decode steps timed with the cache (default 128)")
     d.add_argument("--recompute-new-tokens", type=int, default=None,
-                   help="decode steps timed without the cache (default 8)")
-    d.add_argument("--reps", type=int, default=None, help="timed calls per length; the best counts (default 2)")
+                   help="decode steps timed without the cache (default 4)")
+    d.add_argument("--reps", type=int, default=None, help="timed calls per length; the best counts (default 3)")
     d.set_defaults(func=run_decode)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
