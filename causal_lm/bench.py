@@ -305,6 +305,7 @@ def bench_train(config: Config, *, steps: Optional[int] = None, warmup: Optional
     """
     from causal_lm.train.metrics import train_flops_per_token
 
+    env = environment()  # before any work: the load average then is other processes', not this run's
     steps = steps if steps is not None else (2 if quick else 5)
     warmup = warmup if warmup is not None else (1 if quick else 2)
     m, t = config.model, config.train
@@ -338,7 +339,7 @@ def bench_train(config: Config, *, steps: Optional[int] = None, warmup: Optional
         "benchmark": "train",
         "machine": machine,
         "jax_version": jax.__version__,
-        "environment": environment(),
+        "environment": env,
         "model": _model_summary(m),
         "batch_size": t.batch_size, "seq_len": t.seq_len, "train_flops_per_token": flops_per_token,
         "ours": ours,
@@ -470,6 +471,7 @@ def bench_decode(config: Config, *, contexts: Sequence[int] = DEFAULT_CONTEXTS,
     from causal_lm.interop.hf import model_from_params
     from causal_lm.train.state import init_params
 
+    env = environment()  # before any work: the load average then is other processes', not this run's
     m = config.model
     if quick:
         contexts, batches = tuple(c for c in contexts if c <= 512) or tuple(contexts)[:1], tuple(batches)[:1]
@@ -522,7 +524,7 @@ def bench_decode(config: Config, *, contexts: Sequence[int] = DEFAULT_CONTEXTS,
         "benchmark": "decode",
         "machine": machine,
         "jax_version": jax.__version__,
-        "environment": environment(),
+        "environment": env,
         "model": _model_summary(m),
         "weight_bytes": weight_bytes,
         "kv_bytes_per_token": m.kv_bytes_per_token(jnp.dtype(m.dtype).itemsize),
@@ -541,7 +543,8 @@ def _fmt(x, spec: str = ",.0f", missing: str = "-") -> str:
 def _header(r: dict) -> list:
     e, mc = r["environment"], r["machine"]
     return [f"{e['cpu']} ({e['cores']} cores), JAX {r['jax_version']}, torch {e['torch_version'] or '-'}, "
-            f"transformers {e['transformers_version'] or '-'}, {e['date']}, 1-min load {_fmt(e['load_avg_1min'], '.2f')}",
+            f"transformers {e['transformers_version'] or '-'}, {e['date']}, 1-min load at start "
+            f"{_fmt(e['load_avg_1min'], '.2f')}",
             f"machine: matmul {mc['matmul_flops'] / 1e9:,.1f} GFLOP/s (float32 {mc['matmul_n']}^3), "
             f"memory read {mc['mem_bw_bytes_per_s'] / 1e9:,.1f} GB/s"]
 
