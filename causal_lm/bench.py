@@ -34,7 +34,7 @@ import functools
 import platform
 import statistics
 import time
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +48,7 @@ DEFAULT_BATCHES = (1, 8)
 
 
 # ---- the machine -------------------------------------------------------------------------------------------
+
 
 def _best_time(fn: Callable[[], object], *, min_reps: int = 3, min_seconds: float = 0.5) -> float:
     """Fastest of repeated calls of fn (which blocks until done): at least min_reps calls and min_seconds."""
@@ -76,13 +77,19 @@ def machine_ceilings(*, quick: bool = False) -> dict:
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
     mm = jax.jit(lambda x, y: x @ y)
     t_mm = _best_time(lambda: mm(a, b).block_until_ready(), min_seconds=0.3 if quick else 1.0)
-    nbytes = (64 if quick else 256) * 2 ** 20
+    nbytes = (64 if quick else 256) * 2**20
     x = jnp.ones((2048, nbytes // 4 // 2048), jnp.float32)
     reads = [jax.jit(lambda x: jnp.sum(x, axis=1)), jax.jit(lambda x: jnp.max(x, axis=1))]
     t_bw = min(_best_time(lambda f=f: f(x).block_until_ready(), min_seconds=0.2 if quick else 0.5) for f in reads)
-    return {"matmul_flops": 2.0 * n ** 3 / t_mm, "matmul_n": n, "mem_bw_bytes_per_s": nbytes / t_bw,
-            "mem_bw_array_bytes": nbytes, "device": dev.device_kind, "platform": dev.platform,
-            "device_count": jax.device_count()}
+    return {
+        "matmul_flops": 2.0 * n**3 / t_mm,
+        "matmul_n": n,
+        "mem_bw_bytes_per_s": nbytes / t_bw,
+        "mem_bw_array_bytes": nbytes,
+        "device": dev.device_kind,
+        "platform": dev.platform,
+        "device_count": jax.device_count(),
+    }
 
 
 def environment() -> dict:
@@ -99,13 +106,19 @@ def environment() -> dict:
     except OSError:
         pass
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    return {"cpu": cpu, "cores": os.cpu_count(), "jax_version": jax.__version__,
-            "jaxlib_version": getattr(jax.lib, "__version__", None) or _version("jaxlib"),
-            "torch_version": _version("torch"), "transformers_version": _version("transformers"),
-            "date": datetime.date.today().isoformat(), "load_avg_1min": load}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "jax_version": jax.__version__,
+        "jaxlib_version": getattr(jax.lib, "__version__", None) or _version("jaxlib"),
+        "torch_version": _version("torch"),
+        "transformers_version": _version("transformers"),
+        "date": datetime.date.today().isoformat(),
+        "load_avg_1min": load,
+    }
 
 
-def _version(package: str) -> Optional[str]:
+def _version(package: str) -> str | None:
     from importlib import metadata
 
     try:
@@ -115,7 +128,7 @@ def _version(package: str) -> Optional[str]:
 
 
 def peer_status() -> str:
-    """"ok" when torch and transformers import, else why the peer columns are empty ("not installed")."""
+    """ "ok" when torch and transformers import, else why the peer columns are empty ("not installed")."""
     try:
         import torch  # noqa: F401
         import transformers  # noqa: F401
@@ -124,11 +137,12 @@ def peer_status() -> str:
     return "ok"
 
 
-def _ratio(ours: Optional[float], peer: Optional[float]) -> Optional[float]:
+def _ratio(ours: float | None, peer: float | None) -> float | None:
     return None if ours is None or peer is None or peer <= 0 else ours / peer
 
 
 # ---- shared setup -------------------------------------------------------------------------------------------
+
 
 def _check_peer_shape(m: ModelConfig) -> None:
     """The peer runs our weights in LlamaForCausalLM: the shape must be one Llama expresses (raises if not)."""
@@ -161,13 +175,25 @@ def _peer_model(m: ModelConfig, params: dict):
 
 
 def _model_summary(m: ModelConfig) -> dict:
-    return {"num_layers": m.num_layers, "d_model": m.d_model, "num_heads": m.num_heads, "kv_heads": m.kv_heads,
-            "mlp_dim": m.mlp_dim, "vocab_size": m.vocab_size, "tie_embeddings": m.tie_embeddings,
-            "dtype": m.dtype, "param_dtype": m.param_dtype, "attention": m.attention_label,
-            "scan_layers": m.scan_layers, "remat": m.remat, "attention_impl": m.attention_impl}
+    return {
+        "num_layers": m.num_layers,
+        "d_model": m.d_model,
+        "num_heads": m.num_heads,
+        "kv_heads": m.kv_heads,
+        "mlp_dim": m.mlp_dim,
+        "vocab_size": m.vocab_size,
+        "tie_embeddings": m.tie_embeddings,
+        "dtype": m.dtype,
+        "param_dtype": m.param_dtype,
+        "attention": m.attention_label,
+        "scan_layers": m.scan_layers,
+        "remat": m.remat,
+        "attention_impl": m.attention_impl,
+    }
 
 
 # ---- training -----------------------------------------------------------------------------------------------
+
 
 def _train_inputs(config: Config, seed: int = 0):
     """(graphdef, params, rest, batch) for config: fresh parameters and one batch of random tokens."""
@@ -178,8 +204,12 @@ def _train_inputs(config: Config, seed: int = 0):
     rng = np.random.default_rng(seed)
     B, T = t.batch_size, t.seq_len
     tokens = rng.integers(0, m.vocab_size, (B, T + 1), dtype=np.int32)
-    batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": np.ones((B, T), np.int32),
-             "weights": np.ones((B, T), np.float32)}
+    batch = {
+        "tokens": tokens[:, :-1],
+        "targets": tokens[:, 1:],
+        "segment_ids": np.ones((B, T), np.int32),
+        "weights": np.ones((B, T), np.float32),
+    }
     return graphdef, params, rest, {k: jnp.asarray(v) for k, v in batch.items()}
 
 
@@ -197,7 +227,7 @@ def _compile_train_step(config: Config, graphdef, state, rest, batch):
     return compiled, time.perf_counter() - t0
 
 
-def compile_seconds(config: Config, num_layers: Optional[int] = None) -> float:
+def compile_seconds(config: Config, num_layers: int | None = None) -> float:
     """Seconds to lower + compile the training step of `config` (with `num_layers` layers if given). Nothing is
     run and the state is abstract, so a deep model costs no memory."""
     from flax import nnx
@@ -212,9 +242,12 @@ def compile_seconds(config: Config, num_layers: Optional[int] = None) -> float:
     optimizer = make_optimizer(config.train)
     state = jax.eval_shape(lambda p: init_train_state(p, optimizer, 0), params)
     B, T = config.train.batch_size, config.train.seq_len
-    batch = {"tokens": jax.ShapeDtypeStruct((B, T), jnp.int32), "targets": jax.ShapeDtypeStruct((B, T), jnp.int32),
-             "segment_ids": jax.ShapeDtypeStruct((B, T), jnp.int32),
-             "weights": jax.ShapeDtypeStruct((B, T), jnp.float32)}
+    batch = {
+        "tokens": jax.ShapeDtypeStruct((B, T), jnp.int32),
+        "targets": jax.ShapeDtypeStruct((B, T), jnp.int32),
+        "segment_ids": jax.ShapeDtypeStruct((B, T), jnp.int32),
+        "weights": jax.ShapeDtypeStruct((B, T), jnp.float32),
+    }
     return _compile_train_step(config, graphdef, state, rest, batch)[1]
 
 
@@ -258,8 +291,7 @@ def _train_ours(config: Config, graphdef, params, rest, batch, steps: int, warmu
         jax.block_until_ready(m)
 
     times = _time_steps(run_step, steps, max(0, warmup - 1))
-    return {"step_times_s": times, "compile_s": compile_s, "first_step_run_s": first_step_s,
-            "first_loss": first_loss}
+    return {"step_times_s": times, "compile_s": compile_s, "first_step_run_s": first_step_s, "first_loss": first_loss}
 
 
 def _train_peer(config: Config, params, batch, steps: int, warmup: int) -> dict:
@@ -272,9 +304,12 @@ def _train_peer(config: Config, params, batch, steps: int, warmup: int) -> dict:
     peer = _peer_model(m, params).train()
     decay = [p for n, p in peer.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in peer.named_parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=t.learning_rate, betas=(t.beta1, t.beta2), eps=1e-8)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=t.learning_rate,
+        betas=(t.beta1, t.beta2),
+        eps=1e-8,
+    )
     tokens = torch.from_numpy(np.array(batch["tokens"])).long()
     targets = torch.from_numpy(np.array(batch["targets"])).long()
     losses = []
@@ -290,13 +325,24 @@ def _train_peer(config: Config, params, batch, steps: int, warmup: int) -> dict:
         losses.append(loss.item())
 
     times = _time_steps(run_step, steps, warmup)
-    return {"step_times_s": times, "first_loss": losses[0], "threads": torch.get_num_threads(),
-            "attn_implementation": peer.config._attn_implementation}
+    return {
+        "step_times_s": times,
+        "first_loss": losses[0],
+        "threads": torch.get_num_threads(),
+        "attn_implementation": peer.config._attn_implementation,
+    }
 
 
-def bench_train(config: Config, *, steps: Optional[int] = None, warmup: Optional[int] = None, peer: bool = True,
-                quick: bool = False, compile_layers: Sequence[int] = (2, 12), ceilings: Optional[dict] = None
-                ) -> dict:
+def bench_train(
+    config: Config,
+    *,
+    steps: int | None = None,
+    warmup: int | None = None,
+    peer: bool = True,
+    quick: bool = False,
+    compile_layers: Sequence[int] = (2, 12),
+    ceilings: dict | None = None,
+) -> dict:
     """Training throughput of `config` (its model and train.batch_size x train.seq_len) and of the peer.
 
     Returns the JSON object of `causal-lm bench train --json`: machine, jax_version, ours {tokens_per_s, step_s,
@@ -320,8 +366,12 @@ def bench_train(config: Config, *, steps: Optional[int] = None, warmup: Optional
     def summary(times):
         step_s = statistics.median(times)
         tps = tokens_per_step / step_s
-        return {"tokens_per_s": tps, "step_s": step_s, "mfu": tps * flops_per_token / machine["matmul_flops"],
-                "step_times_s": times}
+        return {
+            "tokens_per_s": tps,
+            "step_s": step_s,
+            "mfu": tps * flops_per_token / machine["matmul_flops"],
+            "step_times_s": times,
+        }
 
     r = _train_ours(config, graphdef, params, rest, batch, steps, warmup)
     ours = {**summary(r.pop("step_times_s")), **r}
@@ -341,7 +391,9 @@ def bench_train(config: Config, *, steps: Optional[int] = None, warmup: Optional
         "jax_version": jax.__version__,
         "environment": env,
         "model": _model_summary(m),
-        "batch_size": t.batch_size, "seq_len": t.seq_len, "train_flops_per_token": flops_per_token,
+        "batch_size": t.batch_size,
+        "seq_len": t.seq_len,
+        "train_flops_per_token": flops_per_token,
         "ours": ours,
         "peer": peer_result,
         "peer_status": status,
@@ -351,6 +403,7 @@ def bench_train(config: Config, *, steps: Optional[int] = None, warmup: Optional
 
 
 # ---- decoding -----------------------------------------------------------------------------------------------
+
 
 def _decode_seconds(run: Callable[[int], None], n: int, reps: int) -> float:
     """Seconds for n decode steps: best t(1 + n new tokens) - best t(1 new token) (prefill and the first token
@@ -391,8 +444,15 @@ def _peer_runner(peer, prompts: np.ndarray, use_cache: bool):
 
     def run(k: int):
         with torch.no_grad():
-            out = peer.generate(input_ids=ids, attention_mask=mask, max_new_tokens=k, min_new_tokens=k,
-                                do_sample=False, use_cache=use_cache, pad_token_id=0)
+            out = peer.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=k,
+                min_new_tokens=k,
+                do_sample=False,
+                use_cache=use_cache,
+                pad_token_id=0,
+            )
         assert out.shape[1] == ids.shape[1] + k
 
     return run
@@ -443,8 +503,14 @@ def decode_loop_comparison(model, context: int, batch: int = 1, n: int = 64, rep
     _settle()
     async_loop = min(python_loop(False) for _ in range(reps))
     sync_loop = min(python_loop(True) for _ in range(reps))
-    return {"context": context, "batch": batch, "new_tokens": n, "while_loop_ms_per_step": 1e3 * device_loop,
-            "python_loop_ms_per_step": 1e3 * async_loop, "python_loop_host_sync_ms_per_step": 1e3 * sync_loop}
+    return {
+        "context": context,
+        "batch": batch,
+        "new_tokens": n,
+        "while_loop_ms_per_step": 1e3 * device_loop,
+        "python_loop_ms_per_step": 1e3 * async_loop,
+        "python_loop_host_sync_ms_per_step": 1e3 * sync_loop,
+    }
 
 
 def decode_bytes_per_token(m: ModelConfig, weight_bytes: int, context: float, batch: int) -> float:
@@ -454,10 +520,19 @@ def decode_bytes_per_token(m: ModelConfig, weight_bytes: int, context: float, ba
     return (weight_bytes + batch * context * kv) / batch
 
 
-def bench_decode(config: Config, *, contexts: Sequence[int] = DEFAULT_CONTEXTS,
-                 batches: Sequence[int] = DEFAULT_BATCHES, new_tokens: Optional[int] = None,
-                 recompute_new_tokens: Optional[int] = None, reps: Optional[int] = None, peer: bool = True,
-                 quick: bool = False, ceilings: Optional[dict] = None, compare_loops: bool = True) -> dict:
+def bench_decode(
+    config: Config,
+    *,
+    contexts: Sequence[int] = DEFAULT_CONTEXTS,
+    batches: Sequence[int] = DEFAULT_BATCHES,
+    new_tokens: int | None = None,
+    recompute_new_tokens: int | None = None,
+    reps: int | None = None,
+    peer: bool = True,
+    quick: bool = False,
+    ceilings: dict | None = None,
+    compare_loops: bool = True,
+) -> dict:
     """Decode throughput of `generate` with and without the KV cache, per (context, batch), and of the peer.
 
     new_tokens (cached) and recompute_new_tokens are the decode steps timed after the prompt (a recompute step
@@ -480,8 +555,10 @@ def bench_decode(config: Config, *, contexts: Sequence[int] = DEFAULT_CONTEXTS,
     reps = reps if reps is not None else (1 if quick else 3)
     longest = max(contexts) + 1 + max(n, n_re)
     if longest > m.max_seq_len:
-        raise ValueError(f"context {max(contexts)} + {1 + max(n, n_re)} new tokens exceeds model.max_seq_len="
-                         f"{m.max_seq_len}; raise it (e.g. model.max_seq_len={longest})")
+        raise ValueError(
+            f"context {max(contexts)} + {1 + max(n, n_re)} new tokens exceeds model.max_seq_len="
+            f"{m.max_seq_len}; raise it (e.g. model.max_seq_len={longest})"
+        )
     status = peer_status() if peer else "skipped"
     if status == "ok":
         _check_peer_shape(m)
@@ -500,8 +577,9 @@ def bench_decode(config: Config, *, contexts: Sequence[int] = DEFAULT_CONTEXTS,
             prompts = rng.integers(0, m.vocab_size, (batch, context), dtype=np.int64)
             row = {"context": context, "batch": batch, "new_tokens": n, "recompute_new_tokens": n_re}
             row["cached_tokens_per_s"] = batch * n / _decode_seconds(_ours_runner(model, prompts, True), n, reps)
-            row["recompute_tokens_per_s"] = batch * n_re / _decode_seconds(
-                _ours_runner(model, prompts, False), n_re, reps)
+            row["recompute_tokens_per_s"] = (
+                batch * n_re / _decode_seconds(_ours_runner(model, prompts, False), n_re, reps)
+            )
             row["cache_speedup"] = row["cached_tokens_per_s"] / row["recompute_tokens_per_s"]
             bpt = decode_bytes_per_token(m, weight_bytes, context + 1 + n / 2, batch)
             row["bytes_per_token"] = bpt
@@ -509,13 +587,14 @@ def bench_decode(config: Config, *, contexts: Sequence[int] = DEFAULT_CONTEXTS,
             row["bandwidth_floor_fraction"] = row["cached_tokens_per_s"] / row["bandwidth_floor_tokens_per_s"]
             row["peer_cached_tokens_per_s"] = row["peer_recompute_tokens_per_s"] = None
             if peer_model is not None:
-                row["peer_cached_tokens_per_s"] = batch * n / _decode_seconds(
-                    _peer_runner(peer_model, prompts, True), n, reps)
-                row["peer_recompute_tokens_per_s"] = batch * n_re / _decode_seconds(
-                    _peer_runner(peer_model, prompts, False), n_re, reps)
+                row["peer_cached_tokens_per_s"] = (
+                    batch * n / _decode_seconds(_peer_runner(peer_model, prompts, True), n, reps)
+                )
+                row["peer_recompute_tokens_per_s"] = (
+                    batch * n_re / _decode_seconds(_peer_runner(peer_model, prompts, False), n_re, reps)
+                )
             row["cached_ratio_vs_peer"] = _ratio(row["cached_tokens_per_s"], row["peer_cached_tokens_per_s"])
-            row["recompute_ratio_vs_peer"] = _ratio(row["recompute_tokens_per_s"],
-                                                    row["peer_recompute_tokens_per_s"])
+            row["recompute_ratio_vs_peer"] = _ratio(row["recompute_tokens_per_s"], row["peer_recompute_tokens_per_s"])
             rows.append(row)
     loop = None
     if compare_loops:
@@ -536,17 +615,20 @@ def bench_decode(config: Config, *, contexts: Sequence[int] = DEFAULT_CONTEXTS,
 
 # ---- tables -------------------------------------------------------------------------------------------------
 
+
 def _fmt(x, spec: str = ",.0f", missing: str = "-") -> str:
     return missing if x is None else format(x, spec)
 
 
 def _header(r: dict) -> list:
     e, mc = r["environment"], r["machine"]
-    return [f"{e['cpu']} ({e['cores']} cores), JAX {r['jax_version']}, torch {e['torch_version'] or '-'}, "
-            f"transformers {e['transformers_version'] or '-'}, {e['date']}, 1-min load at start "
-            f"{_fmt(e['load_avg_1min'], '.2f')}",
-            f"machine: matmul {mc['matmul_flops'] / 1e9:,.1f} GFLOP/s (float32 {mc['matmul_n']}^3), "
-            f"memory read {mc['mem_bw_bytes_per_s'] / 1e9:,.1f} GB/s"]
+    return [
+        f"{e['cpu']} ({e['cores']} cores), JAX {r['jax_version']}, torch {e['torch_version'] or '-'}, "
+        f"transformers {e['transformers_version'] or '-'}, {e['date']}, 1-min load at start "
+        f"{_fmt(e['load_avg_1min'], '.2f')}",
+        f"machine: matmul {mc['matmul_flops'] / 1e9:,.1f} GFLOP/s (float32 {mc['matmul_n']}^3), "
+        f"memory read {mc['mem_bw_bytes_per_s'] / 1e9:,.1f} GB/s",
+    ]
 
 
 def format_train(r: dict) -> str:
@@ -572,9 +654,12 @@ def format_train(r: dict) -> str:
     lines.append(f"{'first-step compile (s)':22s}{o['compile_s']:>14.1f}")
     d = r.get("compile_layers") or {}
     if "ratio" in d:
-        depths = sorted((int(k) for k in d if k != "ratio"))
-        lines.append(f"compile time by depth: " + ", ".join(f"{k} layers {d[str(k)]:.1f} s" for k in depths)
-                     + f" (ratio {d['ratio']:.2f})")
+        depths = sorted(int(k) for k in d if k != "ratio")
+        lines.append(
+            "compile time by depth: "
+            + ", ".join(f"{k} layers {d[str(k)]:.1f} s" for k in depths)
+            + f" (ratio {d['ratio']:.2f})"
+        )
     return "\n".join(lines)
 
 
@@ -583,7 +668,7 @@ def format_decode(r: dict) -> str:
     m = r["model"]
     lines = _header(r) + [
         f"model: {m['num_layers']} layers, d_model {m['d_model']}, {m['attention']}, {m['dtype']}; weights "
-        f"{r['weight_bytes'] / 2 ** 20:,.1f} MiB, K/V {r['kv_bytes_per_token'] / 1024:,.1f} KiB per token; "
+        f"{r['weight_bytes'] / 2**20:,.1f} MiB, K/V {r['kv_bytes_per_token'] / 1024:,.1f} KiB per token; "
         f"peer: {r['peer_status'] if r['peer_status'] != 'ok' else 'transformers generate'}",
         "tokens/s of generated tokens after the prompt (prefill excluded); floor = bandwidth floor",
         "",
@@ -597,11 +682,16 @@ def format_decode(r: dict) -> str:
             f"{w['recompute_tokens_per_s']:>10,.1f} {w['cache_speedup']:>7,.1f}x {w['bytes_per_token'] / 1e6:>9.2f} "
             f"{w['bandwidth_floor_fraction'] * 100:>7.0f}% {_fmt(w['peer_cached_tokens_per_s'], ',.1f', miss):>12s} "
             f"{_fmt(w['peer_recompute_tokens_per_s'], ',.1f', miss):>12s} "
-            f"{_fmt(w['cached_ratio_vs_peer'], '.2f', miss):>12s} {_fmt(w['recompute_ratio_vs_peer'], '.2f', miss):>12s}")
+            f"{_fmt(w['cached_ratio_vs_peer'], '.2f', miss):>12s} "
+            f"{_fmt(w['recompute_ratio_vs_peer'], '.2f', miss):>12s}"
+        )
     lp = r.get("decode_loop")
     if lp:
-        lines += ["", f"decode loop, context {lp['context']}, batch {lp['batch']}, ms per step: on-device while_loop "
-                      f"{lp['while_loop_ms_per_step']:.2f}; Python loop over a jitted step "
-                      f"{lp['python_loop_ms_per_step']:.2f} (reading each token on the host: "
-                      f"{lp['python_loop_host_sync_ms_per_step']:.2f})"]
+        lines += [
+            "",
+            f"decode loop, context {lp['context']}, batch {lp['batch']}, ms per step: on-device while_loop "
+            f"{lp['while_loop_ms_per_step']:.2f}; Python loop over a jitted step "
+            f"{lp['python_loop_ms_per_step']:.2f} (reading each token on the host: "
+            f"{lp['python_loop_host_sync_ms_per_step']:.2f})",
+        ]
     return "\n".join(lines)

@@ -26,7 +26,8 @@ COMMANDS = [
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="causal-lm",
-        description="Small decoder-only language models in JAX/Flax: train, generate, compare cache vs recompute.")
+        description="Small decoder-only language models in JAX/Flax: train, generate, compare cache vs recompute.",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
         importlib.import_module(name).register(sub)
@@ -38,8 +39,11 @@ def main(argv=None) -> int:
     args, extra = parser.parse_known_args(argv)
     # argparse fills a trailing `KEY=VALUE ...` positional together with the positional before it, so in
     # `experiment NAME --out DIR k=v` the k=v arrive as extras: give them to the command's overrides.
-    if extra and isinstance(getattr(args, "overrides", None), list) and all(
-            "=" in e and not e.startswith("-") for e in extra):
+    if (
+        extra
+        and isinstance(getattr(args, "overrides", None), list)
+        and all("=" in e and not e.startswith("-") for e in extra)
+    ):
         args.overrides = args.overrides + extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -47,6 +51,7 @@ def main(argv=None) -> int:
         parser.print_help()
         return 2
     from causal_lm.config import ConfigError
+
     try:
         return int(args.func(args) or 0)
     except (ConfigError, ValueError, FileNotFoundError) as e:  # clear one-line errors, no traceback

@@ -14,7 +14,8 @@ import dataclasses
 import importlib.util
 import os
 import typing
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any, Optional
 
 POSITIONS = ("rope", "none", "learned")
 MASKS = ("causal", "none", "causal_after_softmax")
@@ -44,8 +45,8 @@ class ModelConfig:
     d_model: int = 256
     num_layers: int = 4
     num_heads: int = 4
-    num_kv_heads: Optional[int] = None  # None -> num_heads (MHA)
-    head_dim: Optional[int] = None  # None -> d_model // num_heads
+    num_kv_heads: int | None = None  # None -> num_heads (MHA)
+    head_dim: int | None = None  # None -> d_model // num_heads
     mlp_dim: int = 704
     max_seq_len: int = 512
     position: str = "rope"  # "rope" | "none" | "learned"
@@ -56,11 +57,11 @@ class ModelConfig:
     attention_type: str = "mha"  # "mha" covers MHA / GQA / MQA through num_kv_heads; "mla": latent attention
     # MLA (DeepSeek-V2): K/V come from a kv_lora_rank latent; RoPE acts only on a separate qk_rope_head_dim part
     # (one rope key shared by all heads). The cache holds latent + rope key per token. None -> derived (below).
-    kv_lora_rank: Optional[int] = None  # required for "mla"
-    q_lora_rank: Optional[int] = None  # None: queries projected directly from the model dim
-    qk_nope_head_dim: Optional[int] = None  # None -> head_size
-    qk_rope_head_dim: Optional[int] = None  # None -> head_size // 2 with RoPE, 0 without
-    v_head_dim: Optional[int] = None  # None -> head_size
+    kv_lora_rank: int | None = None  # required for "mla"
+    q_lora_rank: int | None = None  # None: queries projected directly from the model dim
+    qk_nope_head_dim: int | None = None  # None -> head_size
+    qk_rope_head_dim: int | None = None  # None -> head_size // 2 with RoPE, 0 without
+    v_head_dim: int | None = None  # None -> head_size
     mla_absorb: bool = False  # decode path over a cache: False expands the latent to K/V, True attends over it
     # Sliding window: a "local" layer's query at position p sees keys at positions p - sliding_window + 1 .. p.
     sliding_window: int = 0  # 0 = no window
@@ -83,39 +84,60 @@ class ModelConfig:
             v = getattr(self, name)
             _check(isinstance(v, int) and v > 0, f"model.{name} must be a positive integer, got {v!r}")
         kv = self.num_kv_heads
-        _check(kv is None or (isinstance(kv, int) and kv > 0),
-               f"model.num_kv_heads must be a positive integer or None, got {kv!r}")
-        _check(self.num_heads % self.kv_heads == 0,
-               f"model.num_kv_heads={self.kv_heads} must divide num_heads={self.num_heads} "
-               "(MHA: equal, MQA: 1, GQA: a divisor)")
+        _check(
+            kv is None or (isinstance(kv, int) and kv > 0),
+            f"model.num_kv_heads must be a positive integer or None, got {kv!r}",
+        )
+        _check(
+            self.num_heads % self.kv_heads == 0,
+            f"model.num_kv_heads={self.kv_heads} must divide num_heads={self.num_heads} "
+            "(MHA: equal, MQA: 1, GQA: a divisor)",
+        )
         if self.head_dim is None:
-            _check(self.d_model % self.num_heads == 0,
-                   f"model.d_model={self.d_model} is not divisible by num_heads={self.num_heads}; "
-                   "set head_dim explicitly")
+            _check(
+                self.d_model % self.num_heads == 0,
+                f"model.d_model={self.d_model} is not divisible by num_heads={self.num_heads}; set head_dim explicitly",
+            )
         else:
-            _check(isinstance(self.head_dim, int) and self.head_dim > 0,
-                   f"model.head_dim must be a positive integer, got {self.head_dim!r}")
+            _check(
+                isinstance(self.head_dim, int) and self.head_dim > 0,
+                f"model.head_dim must be a positive integer, got {self.head_dim!r}",
+            )
         _check(self.position in POSITIONS, f"model.position must be one of {POSITIONS}, got {self.position!r}")
-        _check(self.attention_mask in MASKS, f"model.attention_mask must be one of {MASKS}, got {self.attention_mask!r}")
-        _check(self.attention_impl in ATTENTION_IMPLS,
-               f"model.attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
-        _check(self.attention_type in ATTENTION_TYPES,
-               f"model.attention_type must be one of {ATTENTION_TYPES}, got {self.attention_type!r}")
+        _check(
+            self.attention_mask in MASKS, f"model.attention_mask must be one of {MASKS}, got {self.attention_mask!r}"
+        )
+        _check(
+            self.attention_impl in ATTENTION_IMPLS,
+            f"model.attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}",
+        )
+        _check(
+            self.attention_type in ATTENTION_TYPES,
+            f"model.attention_type must be one of {ATTENTION_TYPES}, got {self.attention_type!r}",
+        )
         _check(0.0 <= self.rope_fraction <= 1.0, f"model.rope_fraction must be in [0, 1], got {self.rope_fraction}")
         _check(self.rope_theta > 0, f"model.rope_theta must be positive, got {self.rope_theta}")
         self._check_mla()
         self._check_window()
         if self.position == "rope" and self.attention_type != "mla":
-            _check(self.rope_dim > 0 and self.rope_dim % 2 == 0,
-                   f"model.rope_fraction={self.rope_fraction} of head_dim={self.head_size} rotates "
-                   f"{self.head_size * self.rope_fraction:g} dims; it must be a positive even number")
-            _check(abs(self.rope_dim - self.head_size * self.rope_fraction) < 1e-9,
-                   f"model.rope_fraction={self.rope_fraction} of head_dim={self.head_size} is not a whole number of dims")
+            _check(
+                self.rope_dim > 0 and self.rope_dim % 2 == 0,
+                f"model.rope_fraction={self.rope_fraction} of head_dim={self.head_size} rotates "
+                f"{self.head_size * self.rope_fraction:g} dims; it must be a positive even number",
+            )
+            _check(
+                abs(self.rope_dim - self.head_size * self.rope_fraction) < 1e-9,
+                f"model.rope_fraction={self.rope_fraction} of head_dim={self.head_size} is not a whole number of dims",
+            )
         if self.attention_impl == "dot_product_attention":
-            _check(not self.attn_sink, "model.attn_sink needs attention_impl='xla' "
-                   "(jax.nn.dot_product_attention has no sink logit)")
-            _check(self.attention_mask != "causal_after_softmax",
-                   "attention_mask='causal_after_softmax' needs attention_impl='xla'")
+            _check(
+                not self.attn_sink,
+                "model.attn_sink needs attention_impl='xla' (jax.nn.dot_product_attention has no sink logit)",
+            )
+            _check(
+                self.attention_mask != "causal_after_softmax",
+                "attention_mask='causal_after_softmax' needs attention_impl='xla'",
+            )
         _check(self.norm_eps > 0, f"model.norm_eps must be positive, got {self.norm_eps}")
         _check(self.param_dtype in DTYPES, f"model.param_dtype must be one of {DTYPES}, got {self.param_dtype!r}")
         _check(self.dtype in DTYPES, f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
@@ -124,27 +146,47 @@ class ModelConfig:
         mla_fields = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
         if self.attention_type != "mla":
             set_ = [f for f in mla_fields if getattr(self, f) is not None] + (["mla_absorb"] if self.mla_absorb else [])
-            _check(not set_, f"model.{', model.'.join(set_)} only apply to attention_type='mla' "
-                             f"(this model uses {self.attention_type!r})")
+            _check(
+                not set_,
+                f"model.{', model.'.join(set_)} only apply to attention_type='mla' "
+                f"(this model uses {self.attention_type!r})",
+            )
             return
         r = self.kv_lora_rank
-        _check(isinstance(r, int) and r > 0,
-               f"attention_type='mla' needs model.kv_lora_rank, a positive integer (the cached latent size), got {r!r}")
+        _check(
+            isinstance(r, int) and r > 0,
+            f"attention_type='mla' needs model.kv_lora_rank, a positive integer (the cached latent size), got {r!r}",
+        )
         for name in ("q_lora_rank", "qk_nope_head_dim", "v_head_dim"):
             v = getattr(self, name)
-            _check(v is None or (isinstance(v, int) and v > 0), f"model.{name} must be a positive integer or None, got {v!r}")
+            _check(
+                v is None or (isinstance(v, int) and v > 0),
+                f"model.{name} must be a positive integer or None, got {v!r}",
+            )
         rr = self.qk_rope_head_dim
         if self.position == "rope":
-            _check(rr is None or (isinstance(rr, int) and rr > 0), f"model.qk_rope_head_dim must be positive with RoPE, got {rr!r}")
-            _check(self.rope_dim % 2 == 0 and self.rope_dim > 0,
-                   f"MLA's rope part must be a positive even number of dims, got {self.rope_dim} "
-                   "(set model.qk_rope_head_dim)")
+            _check(
+                rr is None or (isinstance(rr, int) and rr > 0),
+                f"model.qk_rope_head_dim must be positive with RoPE, got {rr!r}",
+            )
+            _check(
+                self.rope_dim % 2 == 0 and self.rope_dim > 0,
+                f"MLA's rope part must be a positive even number of dims, got {self.rope_dim} "
+                "(set model.qk_rope_head_dim)",
+            )
         else:
-            _check(rr in (None, 0), f"model.qk_rope_head_dim={rr} needs position='rope' (this model uses {self.position!r})")
-        _check(self.num_kv_heads in (None, self.num_heads),
-               "MLA has no separate KV heads (every head expands its own K/V from the shared latent); "
-               "leave model.num_kv_heads unset")
-        _check(self.rope_fraction == 1.0, "MLA rotates exactly its qk_rope_head_dim dims; leave model.rope_fraction at 1.0")
+            _check(
+                rr in (None, 0),
+                f"model.qk_rope_head_dim={rr} needs position='rope' (this model uses {self.position!r})",
+            )
+        _check(
+            self.num_kv_heads in (None, self.num_heads),
+            "MLA has no separate KV heads (every head expands its own K/V from the shared latent); "
+            "leave model.num_kv_heads unset",
+        )
+        _check(
+            self.rope_fraction == 1.0, "MLA rotates exactly its qk_rope_head_dim dims; leave model.rope_fraction at 1.0"
+        )
         _check(self.attention_impl == "xla", "attention_type='mla' needs attention_impl='xla'")
         _check(not self.qkv_bias, "model.qkv_bias is not supported with attention_type='mla'")
 
@@ -153,13 +195,18 @@ class ModelConfig:
         _check(isinstance(w, int) and w >= 0, f"model.sliding_window must be an integer >= 0 (0 = off), got {w!r}")
         kinds = self.layer_kinds
         bad = [k for k in kinds if k not in LAYER_KINDS]
-        _check(not bad, f"model.layer_pattern entries must be in {LAYER_KINDS}, got {bad} "
-                        "(write it as e.g. layer_pattern=local,local,global)")
+        _check(
+            not bad,
+            f"model.layer_pattern entries must be in {LAYER_KINDS}, got {bad} "
+            "(write it as e.g. layer_pattern=local,local,global)",
+        )
         if "local" in kinds:
             _check(w > 0, "model.layer_pattern has local layers but model.sliding_window is 0")
         if w > 0:
-            _check(not kinds or "local" in kinds,
-                   f"model.sliding_window={w} but model.layer_pattern={self.layer_pattern!r} has no local layer")
+            _check(
+                not kinds or "local" in kinds,
+                f"model.sliding_window={w} but model.layer_pattern={self.layer_pattern!r} has no local layer",
+            )
             _check(self.attention_mask == "causal", "model.sliding_window needs attention_mask='causal'")
 
     # ---- derived sizes -------------------------------------------------------------------------------------
@@ -212,7 +259,7 @@ class ModelConfig:
 
     @property
     def attention_label(self) -> str:
-        """"MHA", "GQA-4" (4 KV heads), "MQA" or "MLA"."""
+        """ "MHA", "GQA-4" (4 KV heads), "MQA" or "MLA"."""
         if self.attention_type == "mla":
             return "MLA"
         if self.kv_heads == self.num_heads:
@@ -223,7 +270,7 @@ class ModelConfig:
     def is_causal(self) -> bool:
         return self.attention_mask == "causal"
 
-    def kv_layer_bytes_per_token(self, bytes_per_element: Optional[int] = None) -> int:
+    def kv_layer_bytes_per_token(self, bytes_per_element: int | None = None) -> int:
         """Bytes one token occupies in one layer's cache: K and V at the KV-head count, or MLA's latent + rope key."""
         if bytes_per_element is None:
             bytes_per_element = _DTYPE_BYTES[self.dtype]
@@ -231,11 +278,11 @@ class ModelConfig:
             return (self.kv_lora_rank + self.rope_dim) * bytes_per_element
         return self.kv_heads * (self.head_size + self.v_dim) * bytes_per_element
 
-    def kv_bytes_per_token(self, bytes_per_element: Optional[int] = None) -> int:
+    def kv_bytes_per_token(self, bytes_per_element: int | None = None) -> int:
         """Bytes cached per token, all layers together (what `init_cache` allocates per token and row)."""
         return self.num_layers * self.kv_layer_bytes_per_token(bytes_per_element)
 
-    def kv_cache_bytes(self, context: int, bytes_per_element: Optional[int] = None) -> int:
+    def kv_cache_bytes(self, context: int, bytes_per_element: int | None = None) -> int:
         """Bytes one sequence of `context` tokens needs when each local layer keeps only its last
         `sliding_window` tokens (equal to kv_bytes_per_token() * context without sliding windows)."""
         per_layer = self.kv_layer_bytes_per_token(bytes_per_element)
@@ -286,12 +333,23 @@ class TrainConfig:
     progress: bool = True  # tqdm progress bar on an interactive terminal (log lines otherwise)
 
     def __post_init__(self):
-        for name in ("steps", "batch_size", "seq_len", "microbatches", "eval_every", "log_every",
-                     "checkpoint_every", "keep_checkpoints", "eval_batches"):
+        for name in (
+            "steps",
+            "batch_size",
+            "seq_len",
+            "microbatches",
+            "eval_every",
+            "log_every",
+            "checkpoint_every",
+            "keep_checkpoints",
+            "eval_batches",
+        ):
             v = getattr(self, name)
             _check(isinstance(v, int) and v > 0, f"train.{name} must be a positive integer, got {v!r}")
-        _check(self.batch_size % self.microbatches == 0,
-               f"train.batch_size={self.batch_size} must be divisible by train.microbatches={self.microbatches}")
+        _check(
+            self.batch_size % self.microbatches == 0,
+            f"train.batch_size={self.batch_size} must be divisible by train.microbatches={self.microbatches}",
+        )
         _check(self.learning_rate > 0, f"train.learning_rate must be positive, got {self.learning_rate}")
         _check(self.warmup_steps >= 0, f"train.warmup_steps must be >= 0, got {self.warmup_steps}")
         _check(0.0 <= self.min_lr_ratio <= 1.0, f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
@@ -299,8 +357,10 @@ class TrainConfig:
         _check(self.grad_clip >= 0, f"train.grad_clip must be >= 0 (0 = no clipping), got {self.grad_clip}")
         _check(self.sample_tokens >= 0, f"train.sample_tokens must be >= 0, got {self.sample_tokens}")
         _check(self.sample_temperature >= 0, f"train.sample_temperature must be >= 0, got {self.sample_temperature}")
-        _check(self.compute_dtype == "auto" or self.compute_dtype in DTYPES,
-               f"train.compute_dtype must be 'auto' or one of {DTYPES}, got {self.compute_dtype!r}")
+        _check(
+            self.compute_dtype == "auto" or self.compute_dtype in DTYPES,
+            f"train.compute_dtype must be 'auto' or one of {DTYPES}, got {self.compute_dtype!r}",
+        )
         _check(self.peak_flops >= 0, f"train.peak_flops must be >= 0, got {self.peak_flops}")
 
 
@@ -319,11 +379,14 @@ class Config:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
 
     def __post_init__(self):
-        _check(self.train.seq_len <= self.model.max_seq_len,
-               f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
+        _check(
+            self.train.seq_len <= self.model.max_seq_len,
+            f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}",
+        )
 
 
 # ---- overrides ---------------------------------------------------------------------------------------------
+
 
 def _sections(config: Any) -> dict[str, Any]:
     if isinstance(config, Config):
@@ -394,7 +457,7 @@ def apply_overrides(config: Any, overrides: Iterable[str]) -> Any:
     return new[""]
 
 
-def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> Config:
+def load_config(path: str | None = None, overrides: Iterable[str] = ()) -> Config:
     """Load `get_config()` from a preset file (default: configs/small.py's shape) and apply overrides."""
     if path is None:
         config = Config()
@@ -421,6 +484,7 @@ def load_config(path: Optional[str] = None, overrides: Iterable[str] = ()) -> Co
 
 # ---- serialisation (checkpoints, config.json) --------------------------------------------------------------
 
+
 def config_to_dict(config: Config) -> dict:
     """A JSON-able dict of every section and field."""
     return dataclasses.asdict(config)
@@ -439,7 +503,9 @@ def config_from_dict(d: dict) -> Config:
         names = {f.name for f in dataclasses.fields(cls)}
         bad = sorted(set(values) - names)
         if bad:
-            raise ConfigError(f"unknown config key(s) {', '.join(f'{name}.{k}' for k in bad)}; valid keys: "
-                              f"{', '.join(f'{name}.{k}' for k in sorted(names))}")
+            raise ConfigError(
+                f"unknown config key(s) {', '.join(f'{name}.{k}' for k in bad)}; valid keys: "
+                f"{', '.join(f'{name}.{k}' for k in sorted(names))}"
+            )
         built[name] = cls(**values)
     return Config(**built)

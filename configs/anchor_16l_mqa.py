@@ -7,7 +7,19 @@ from causal_lm.config import Config, ModelConfig
 
 
 def get_config() -> Config:
-    return Config(model=ModelConfig(
-        vocab_size=151_936, d_model=5120, num_layers=16, num_heads=24, num_kv_heads=1, head_dim=256,
-        mlp_dim=17_408, max_seq_len=262_144, rope_fraction=0.25, attn_output_gate=True,
-        param_dtype="bfloat16", dtype="bfloat16"))
+    return Config(
+        model=ModelConfig(
+            vocab_size=151_936,
+            d_model=5120,
+            num_layers=16,
+            num_heads=24,
+            num_kv_heads=1,
+            head_dim=256,
+            mlp_dim=17_408,
+            max_seq_len=262_144,
+            rope_fraction=0.25,
+            attn_output_gate=True,
+            param_dtype="bfloat16",
+            dtype="bfloat16",
+        )
+    )

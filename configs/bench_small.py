@@ -11,8 +11,17 @@ from causal_lm.config import Config, DataConfig, ModelConfig, TrainConfig
 
 def get_config() -> Config:
     return Config(
-        model=ModelConfig(vocab_size=256, d_model=384, num_layers=6, num_heads=6, mlp_dim=1024, max_seq_len=4096,
-                          tie_embeddings=True, param_dtype="float32", dtype="float32"),
+        model=ModelConfig(
+            vocab_size=256,
+            d_model=384,
+            num_layers=6,
+            num_heads=6,
+            mlp_dim=1024,
+            max_seq_len=4096,
+            tie_embeddings=True,
+            param_dtype="float32",
+            dtype="float32",
+        ),
         data=DataConfig(corpus="builtin", tokenizer="byte"),
         train=TrainConfig(batch_size=16, seq_len=256, compute_dtype="float32"),
     )

@@ -8,6 +8,18 @@ from causal_lm.config import Config, ModelConfig
 
 
 def get_config() -> Config:
-    return Config(model=ModelConfig(
-        vocab_size=102_400, d_model=8192, num_layers=95, num_heads=64, num_kv_heads=8, head_dim=128,
-        mlp_dim=22_016, max_seq_len=4096, rope_theta=10_000.0, param_dtype="bfloat16", dtype="bfloat16"))
+    return Config(
+        model=ModelConfig(
+            vocab_size=102_400,
+            d_model=8192,
+            num_layers=95,
+            num_heads=64,
+            num_kv_heads=8,
+            head_dim=128,
+            mlp_dim=22_016,
+            max_seq_len=4096,
+            rope_theta=10_000.0,
+            param_dtype="bfloat16",
+            dtype="bfloat16",
+        )
+    )

@@ -10,7 +10,22 @@ from causal_lm.config import Config, ModelConfig
 
 
 def get_config() -> Config:
-    return Config(model=ModelConfig(
-        vocab_size=102_400, d_model=5120, num_layers=60, num_heads=128, mlp_dim=12_288, max_seq_len=163_840,
-        attention_type="mla", kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64,
-        v_head_dim=128, mla_absorb=True, param_dtype="bfloat16", dtype="bfloat16"))
+    return Config(
+        model=ModelConfig(
+            vocab_size=102_400,
+            d_model=5120,
+            num_layers=60,
+            num_heads=128,
+            mlp_dim=12_288,
+            max_seq_len=163_840,
+            attention_type="mla",
+            kv_lora_rank=512,
+            q_lora_rank=1536,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            mla_absorb=True,
+            param_dtype="bfloat16",
+            dtype="bfloat16",
+        )
+    )

@@ -8,8 +8,16 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # emitters triple it while the tests check properties (equalities, exact zeros), not speed. Both sides of every
 # comparison, subprocesses included, compile with the same flags. CAUSAL_LM_TEST_OPTIMIZED=1 keeps the defaults.
 if os.environ.get("CAUSAL_LM_TEST_OPTIMIZED") != "1":
-    os.environ["XLA_FLAGS"] = " ".join(filter(None, [
-        os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"]))
+    os.environ["XLA_FLAGS"] = " ".join(
+        filter(
+            None,
+            [
+                os.environ.get("XLA_FLAGS", ""),
+                "--xla_backend_optimization_level=0",
+                "--xla_cpu_use_fusion_emitters=false",
+            ],
+        )
+    )
 
 import jax  # noqa: E402
 

@@ -18,9 +18,22 @@ def test_document_positions_restart_per_segment():
 @pytest.mark.slow
 def test_attention_sink_experiment_on_tiny(tmp_path):
     out = str(tmp_path / "sink")
-    rc = cli.main(["experiment", "attention-sink", "--out", out, "--config", "tiny", "train.steps=3",
-                   "train.eval_every=3", "train.checkpoint_every=3", "train.log_every=3", "train.sample_tokens=0",
-                   "train.progress=false"])
+    rc = cli.main(
+        [
+            "experiment",
+            "attention-sink",
+            "--out",
+            out,
+            "--config",
+            "tiny",
+            "train.steps=3",
+            "train.eval_every=3",
+            "train.checkpoint_every=3",
+            "train.log_every=3",
+            "train.sample_tokens=0",
+            "train.progress=false",
+        ]
+    )
     assert rc == 0
     for name in ("report.md", "attention_sink.png", "results.json"):
         assert os.path.getsize(os.path.join(out, name)) > 0, name

@@ -8,8 +8,10 @@ from causal_lm import bench
 from causal_lm.cli import main
 from causal_lm.config import Config, ModelConfig, TrainConfig
 
-TINY = Config(model=ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=2, mlp_dim=64, max_seq_len=64),
-              train=TrainConfig(batch_size=2, seq_len=16))
+TINY = Config(
+    model=ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=2, mlp_dim=64, max_seq_len=64),
+    train=TrainConfig(batch_size=2, seq_len=16),
+)
 CEILINGS = {"matmul_flops": 1e10, "mem_bw_bytes_per_s": 1e10, "matmul_n": 0}  # no time spent measuring the machine
 
 
@@ -41,16 +43,26 @@ def test_bench_train_keys_and_sanity():
 
 
 def test_bench_decode_keys_and_sanity():
-    r = bench.bench_decode(TINY, contexts=(8,), batches=(2,), new_tokens=2, recompute_new_tokens=1, reps=1,
-                           ceilings=CEILINGS)
+    r = bench.bench_decode(
+        TINY, contexts=(8,), batches=(2,), new_tokens=2, recompute_new_tokens=1, reps=1, ceilings=CEILINGS
+    )
     json.dumps(r)
     assert set(r) >= {"machine", "jax_version", "rows"}
     assert [(w["context"], w["batch"]) for w in r["rows"]] == [(8, 2)]
     for w in r["rows"]:
-        assert set(w) >= {"context", "batch", "cached_tokens_per_s", "recompute_tokens_per_s",
-                          "bandwidth_floor_fraction", "peer_cached_tokens_per_s", "peer_recompute_tokens_per_s"}
-        assert all(_positive(w[k]) for k in ("cached_tokens_per_s", "recompute_tokens_per_s",
-                                             "bandwidth_floor_fraction", "bytes_per_token"))
+        assert set(w) >= {
+            "context",
+            "batch",
+            "cached_tokens_per_s",
+            "recompute_tokens_per_s",
+            "bandwidth_floor_fraction",
+            "peer_cached_tokens_per_s",
+            "peer_recompute_tokens_per_s",
+        }
+        assert all(
+            _positive(w[k])
+            for k in ("cached_tokens_per_s", "recompute_tokens_per_s", "bandwidth_floor_fraction", "bytes_per_token")
+        )
         if r["peer_status"] == "ok":
             assert _positive(w["peer_cached_tokens_per_s"]) and _positive(w["cached_ratio_vs_peer"])
         else:
@@ -71,8 +83,28 @@ def test_decode_bytes_per_token():
 
 def test_cli_bench_json_without_peer(capsys, monkeypatch):
     monkeypatch.setattr(bench, "machine_ceilings", lambda quick=False: CEILINGS)
-    assert main(["bench", "train", "--json", "--no-peer", "--steps", "1", "--warmup", "1", "--compile-layers", "",
-                 "--config", "tiny", "model.num_layers=1", "train.batch_size=2", "train.seq_len=8"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "train",
+                "--json",
+                "--no-peer",
+                "--steps",
+                "1",
+                "--warmup",
+                "1",
+                "--compile-layers",
+                "",
+                "--config",
+                "tiny",
+                "model.num_layers=1",
+                "train.batch_size=2",
+                "train.seq_len=8",
+            ]
+        )
+        == 0
+    )
     r = json.loads(capsys.readouterr().out)
     assert r["peer"] is None and r["ratio_vs_peer"] is None and r["peer_status"] == "skipped"
     assert r["ours"]["tokens_per_s"] > 0

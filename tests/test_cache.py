@@ -9,14 +9,14 @@ import pytest
 from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from variants import VARIANT_IDS, VARIANTS, tiny_config, tiny_model
 
 import causal_lm
 from causal_lm import CacheError, GenerateError, generate, init_cache
 from causal_lm.decode.generate import bucket_length, compile_count
 from causal_lm.decode.sampling import sample
-from causal_lm.model import InputError, build_model
+from causal_lm.model import build_model
 from causal_lm.model.functional import forward
-from variants import VARIANT_IDS, VARIANTS, tiny_config, tiny_model
 
 NEW = 64
 PROMPTS = [[3, 14, 15, 9, 2, 6, 5, 35, 8, 9, 7], [27, 18, 28, 1, 8]]  # ragged: 11 and 5 tokens
@@ -32,7 +32,7 @@ def teacher_forced(model, prompt, generated):
     seq = np.asarray([list(prompt) + list(generated)], np.int32)
     graphdef, state = nnx.split(model)
     logits = np.asarray(_full_logits(state, seq, graphdef=graphdef))[0]
-    return logits[len(prompt) - 1: len(prompt) - 1 + len(generated)]
+    return logits[len(prompt) - 1 : len(prompt) - 1 + len(generated)]
 
 
 def assert_cache_equals_recompute(model, prompts=PROMPTS, new=NEW, **kw):
@@ -54,9 +54,16 @@ def test_cache_equals_recompute_every_variant(variant):
     assert_cache_equals_recompute(tiny_model(tiny_config(*variant)))
 
 
-@pytest.mark.parametrize("variant", [("mha", "rope_full", False, False), ("gqa", "rope_partial", True, True),
-                                     ("mqa", "learned", True, False), ("gqa", "nope", False, True)],
-                         ids=["mha-rope", "gqa-partial-gate-sink", "mqa-learned-gate", "gqa-nope-sink"])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        ("mha", "rope_full", False, False),
+        ("gqa", "rope_partial", True, True),
+        ("mqa", "learned", True, False),
+        ("gqa", "nope", False, True),
+    ],
+    ids=["mha-rope", "gqa-partial-gate-sink", "mqa-learned-gate", "gqa-nope-sink"],
+)
 def test_generate_cached_equals_generate_recompute(variant):
     """The two generate paths side by side: logits at every step and greedy tokens."""
     model = tiny_model(tiny_config(*variant))
@@ -72,14 +79,16 @@ def test_a_broken_cache_is_caught(monkeypatch):
     from causal_lm.model import attention, kv_cache
 
     real = kv_cache.write_layer_rows
-    monkeypatch.setattr(attention, "write_layer_rows",
-                        lambda buf, layer, new, starts: real(buf, layer, new, starts + 1))
+    monkeypatch.setattr(
+        attention, "write_layer_rows", lambda buf, layer, new, starts: real(buf, layer, new, starts + 1)
+    )
     model = build_model(tiny_config("gqa", "rope_full", vocab_size=59), seed=0)  # fresh config: fresh trace
     with pytest.raises(AssertionError):
         assert_cache_equals_recompute(model, new=8)
 
 
 # ---- prefill ------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("chunk", [1, 2, 3, 7, 5])
 def test_chunked_prefill_equals_whole(chunk):
@@ -90,7 +99,7 @@ def test_chunked_prefill_equals_whole(chunk):
     whole_logits, whole = forward(model, prompt, cache=init_cache(config, 2, 32))
     cache, pieces = init_cache(config, 2, 32), []
     for o in range(0, 12, chunk):  # 12 is not a multiple of 5 or 7: the last chunk is short
-        logits, cache = forward(model, prompt[:, o:o + chunk], cache=cache)
+        logits, cache = forward(model, prompt[:, o : o + chunk], cache=cache)
         pieces.append(np.asarray(logits))
     np.testing.assert_allclose(np.concatenate(pieces, 1), np.asarray(whole_logits), atol=1e-5, rtol=0)
     np.testing.assert_array_equal(np.asarray(cache.lengths), [12, 12])
@@ -141,23 +150,40 @@ def test_the_seeds_kv_counts():
 
 # ---- property test ----------------------------------------------------------------------------------------
 
+
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(heads=st.sampled_from([(2, 1), (2, 2), (4, 2), (4, 1)]), pos=st.sampled_from(["rope_full", "nope",
-       "learned", "rope_partial"]), gate=st.booleans(), sink=st.booleans(),
-       prompt_len=st.integers(1, 9), chunk=st.integers(1, 9), seed=st.integers(0, 3))
+@given(
+    heads=st.sampled_from([(2, 1), (2, 2), (4, 2), (4, 1)]),
+    pos=st.sampled_from(["rope_full", "nope", "learned", "rope_partial"]),
+    gate=st.booleans(),
+    sink=st.booleans(),
+    prompt_len=st.integers(1, 9),
+    chunk=st.integers(1, 9),
+    seed=st.integers(0, 3),
+)
 def test_property_cache_equals_recompute(heads, pos, gate, sink, prompt_len, chunk, seed):
     n, kv = heads
-    config = causal_lm.ModelConfig(vocab_size=37, d_model=16, num_layers=1, num_heads=n, num_kv_heads=kv,
-                                   mlp_dim=24, max_seq_len=48, init_std=0.3, attn_output_gate=gate,
-                                   attn_sink=sink, position={"rope_full": "rope", "rope_partial": "rope"}.get(pos, pos)
-                                   if pos != "nope" else "none",
-                                   rope_fraction=0.5 if pos == "rope_partial" else 1.0)
+    config = causal_lm.ModelConfig(
+        vocab_size=37,
+        d_model=16,
+        num_layers=1,
+        num_heads=n,
+        num_kv_heads=kv,
+        mlp_dim=24,
+        max_seq_len=48,
+        init_std=0.3,
+        attn_output_gate=gate,
+        attn_sink=sink,
+        position={"rope_full": "rope", "rope_partial": "rope"}.get(pos, pos) if pos != "nope" else "none",
+        rope_fraction=0.5 if pos == "rope_partial" else 1.0,
+    )
     model = build_model(config, seed=seed)
     prompt = np.random.default_rng(seed).integers(0, 37, prompt_len).tolist()
     assert_cache_equals_recompute(model, [prompt], new=12, chunk_size=chunk)
 
 
 # ---- bfloat16 cache ----------------------------------------------------------------------------------------
+
 
 def test_bfloat16_cache_tracks_float32():
     """A bf16 cache (f32 compute) on a fixed model: greedy tokens identical for 32 steps, logits close.
@@ -174,6 +200,7 @@ def test_bfloat16_cache_tracks_float32():
 
 
 # ---- cache as data ----------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("kv, heads", [("mha", 4), ("gqa", 2), ("mqa", 1)])
 def test_cache_is_stored_at_the_kv_head_count(kv, heads):
@@ -197,6 +224,7 @@ def test_cache_is_donated_under_jit():
 
 # ---- errors before anything runs --------------------------------------------------------------------------
 
+
 def test_capacity_overflow_is_an_error():
     config = tiny_config()
     model = tiny_model(config)
@@ -211,13 +239,22 @@ def test_capacity_overflow_is_an_error():
 
 def test_generate_rejects_bad_prompts_and_arguments():
     model = tiny_model(tiny_config())
-    for prompts, match in [([[1, 2], []], "prompt 1 is empty"), ([[1, 61]], "token id 61 outside"),
-                           ([[-3]], "token id -3"), ([], "non-empty list"), ([1, 2], "list of token-id lists")]:
+    for prompts, match in [
+        ([[1, 2], []], "prompt 1 is empty"),
+        ([[1, 61]], "token id 61 outside"),
+        ([[-3]], "token id -3"),
+        ([], "non-empty list"),
+        ([1, 2], "list of token-id lists"),
+    ]:
         with pytest.raises(GenerateError, match=match):
             generate(model, prompts, max_new_tokens=4)
-    for kw, match in [(dict(max_new_tokens=0), "max_new_tokens"), (dict(max_new_tokens=2, top_k=0), "top_k"),
-                      (dict(max_new_tokens=2, top_p=1.5), "top_p"), (dict(max_new_tokens=2, temperature=-1), "temperature"),
-                      (dict(max_new_tokens=2, chunk_size=0), "chunk_size")]:
+    for kw, match in [
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(max_new_tokens=2, top_k=0), "top_k"),
+        (dict(max_new_tokens=2, top_p=1.5), "top_p"),
+        (dict(max_new_tokens=2, temperature=-1), "temperature"),
+        (dict(max_new_tokens=2, chunk_size=0), "chunk_size"),
+    ]:
         with pytest.raises(GenerateError, match=match):
             generate(model, [[1]], **kw)
 
@@ -241,8 +278,15 @@ def _draws(logits, n=400, **kw):
     logits = jnp.asarray(np.tile(np.asarray(logits, np.float32), (n, 1)))
     args = dict(temperature=1.0, top_k=0, top_p=1.0)
     args.update(kw)
-    return np.asarray(_sample(logits, jax.random.key(0), jnp.float32(args["temperature"]),
-                              jnp.int32(args["top_k"]), jnp.float32(args["top_p"])))
+    return np.asarray(
+        _sample(
+            logits,
+            jax.random.key(0),
+            jnp.float32(args["temperature"]),
+            jnp.int32(args["top_k"]),
+            jnp.float32(args["top_p"]),
+        )
+    )
 
 
 def test_top_k_keeps_exactly_the_k_most_likely():
@@ -283,7 +327,7 @@ def test_rows_stop_independently_at_a_stop_token():
     stop = free.tokens[0][4]  # row 0 produces this token at step 4
     first = free.tokens[0].index(stop)
     res = generate(model, PROMPTS, max_new_tokens=20, stop_tokens=[stop])
-    assert res.tokens[0] == free.tokens[0][:first + 1]
+    assert res.tokens[0] == free.tokens[0][: first + 1]
     row1_stop = free.tokens[1].index(stop) + 1 if stop in free.tokens[1] else 20
     assert res.tokens[1] == free.tokens[1][:row1_stop]
 

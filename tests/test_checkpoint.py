@@ -10,15 +10,26 @@ from flax import nnx
 from causal_lm.config import apply_overrides, load_config
 from causal_lm.data import ByteTokenizer, CharTokenizer, build_data, builtin_documents
 from causal_lm.model import build_model
-from causal_lm.train import (CheckpointError, load_for_inference, read_metrics, restore_params, save_for_inference,
-                             train_and_evaluate)
+from causal_lm.train import (
+    CheckpointError,
+    load_for_inference,
+    read_metrics,
+    restore_params,
+    save_for_inference,
+    train_and_evaluate,
+)
 from causal_lm.train.checkpoint import Checkpointer
 from causal_lm.train.state import init_params, split_params
 from causal_lm.train.step import eval_sums
 
-
-TINY = ["train.steps=2", "train.eval_every=2", "train.checkpoint_every=2", "train.log_every=1",
-        "train.progress=false", "train.sample_tokens=0"]
+TINY = [
+    "train.steps=2",
+    "train.eval_every=2",
+    "train.checkpoint_every=2",
+    "train.log_every=1",
+    "train.progress=false",
+    "train.sample_tokens=0",
+]
 
 
 def _params(model):
@@ -47,12 +58,12 @@ def test_save_for_inference_round_trip(saved):
     assert config2 == config
     assert type(tok2) is CharTokenizer and tok2.chars == tok.chars and tok2.vocab_size == tok.vocab_size
     assert tok2.encode("The assert statement ¿") == tok.encode("The assert statement ¿")
-    for a, b in zip(_params(loaded), _params(model)):
+    for a, b in zip(_params(loaded), _params(model), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # Settings that keep shapes can change at load time (e.g. to evaluate the weights under another mask).
     nomask, _, c3 = load_for_inference(workdir, overrides=["model.attention_mask=none"])
     assert c3.model.attention_mask == "none" and nomask.config.attention_mask == "none"
-    for a, b in zip(_params(nomask), _params(model)):
+    for a, b in zip(_params(nomask), _params(model), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(CheckpointError, match="tokenizer has 300 ids"):
         save_for_inference(workdir, model, config, CharTokenizer([chr(i) for i in range(1000, 1296)]))
@@ -73,7 +84,7 @@ def test_restore_into_another_architecture_names_the_parameters(saved):
     # A model with the same shapes takes the weights.
     same = _model(config, seed=0)
     restore_params(workdir, same)
-    for a, b in zip(_params(same), _params(model)):
+    for a, b in zip(_params(same), _params(model), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 

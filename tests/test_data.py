@@ -8,21 +8,32 @@ import numpy as np
 import pytest
 
 from causal_lm.config import apply_overrides, load_config
-from causal_lm.data import (ByteTokenizer, CharTokenizer, DataError, HFTokenizer, build_data, builtin_documents,
-                            load_tokenizer, pack, tokenizer_from_dict, tokenizer_from_spec)
+from causal_lm.data import (
+    ByteTokenizer,
+    CharTokenizer,
+    DataError,
+    HFTokenizer,
+    build_data,
+    builtin_documents,
+    load_tokenizer,
+    pack,
+    tokenizer_from_dict,
+    tokenizer_from_spec,
+)
 from causal_lm.data.pipeline import TrainIterator, is_validation, rows_to_batch
 
 TEXTS = ["Hello, world. The cat sat.", "多头注意力 and 因果掩码", "tabs\tand\nnewlines  é"]
 
 
 def _hf_tokenizer_json() -> str:
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>", "<pad>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(TEXTS * 20, trainer)
     return tok.to_str()
 
@@ -111,13 +122,23 @@ def _write_docs(path, n=40):
 def test_validation_split_is_by_document_and_deterministic(tmp_path):
     path = tmp_path / "docs.jsonl"
     _write_docs(path)
-    config = load_config("tiny", [f"data.corpus={path}", "data.text_field=body", "data.val_fraction=0.2",
-                                  "train.batch_size=4", "train.seq_len=32", "data.max_documents=0"])
+    config = load_config(
+        "tiny",
+        [
+            f"data.corpus={path}",
+            "data.text_field=body",
+            "data.val_fraction=0.2",
+            "train.batch_size=4",
+            "train.seq_len=32",
+            "data.max_documents=0",
+        ],
+    )
     data = build_data(config)
     tok = data.tokenizer
     train_text = tok.decode(data.train.rows.tokens[:, :-1].ravel())  # rows overlap by one token
-    val_text = "".join(tok.decode(b["tokens"][i]) for b in build_data(config, max_val_batches=0).val
-                       for i in range(len(b["tokens"])))
+    val_text = "".join(
+        tok.decode(b["tokens"][i]) for b in build_data(config, max_val_batches=0).val for i in range(len(b["tokens"]))
+    )
     val_ids = [i for i in range(40) if is_validation(i, 0.2)]
     assert 2 <= len(val_ids) <= 20
     for i in range(40):
@@ -158,8 +179,9 @@ def test_local_formats_txt_parquet_glob_and_streaming_resume(tmp_path):
 
     (tmp_path / "a.txt").write_text("first paragraph here.\n\nsecond one, longer than the first.\n\nthird.\n")
     (tmp_path / "b.txt").write_text("another file.\n\nand its second paragraph.\n")
-    config = load_config("tiny", [f"data.corpus={tmp_path}/*.txt", "train.batch_size=2", "train.seq_len=16",
-                                  "data.val_fraction=0.3"])
+    config = load_config(
+        "tiny", [f"data.corpus={tmp_path}/*.txt", "train.batch_size=2", "train.seq_len=16", "data.val_fraction=0.3"]
+    )
     data = build_data(config)
     assert data.info["documents"] == 5  # paragraphs are documents
     pq.write_table(pa.table({"text": [f"row {i} " * 5 for i in range(30)]}), tmp_path / "t.parquet")
@@ -167,8 +189,16 @@ def test_local_formats_txt_parquet_glob_and_streaming_resume(tmp_path):
 
     path = tmp_path / "docs.jsonl"
     _write_docs(path)
-    stream = apply_overrides(config, [f"data.corpus={path}", "data.text_field=body", "data.streaming=true",
-                                      "train.batch_size=4", "train.seq_len=64"])  # ~17 batches per epoch
+    stream = apply_overrides(
+        config,
+        [
+            f"data.corpus={path}",
+            "data.text_field=body",
+            "data.streaming=true",
+            "train.batch_size=4",
+            "train.seq_len=64",
+        ],
+    )  # ~17 batches per epoch
     it = build_data(stream).train
     seen = [next(it) for _ in range(3)]
     assert all(b["tokens"].shape == (4, 64) for b in seen)

@@ -33,30 +33,63 @@ TOL = 1e-4  # float32 logits
 
 # name -> (config class, model class, config overrides)
 CASES = {
-    "llama-mha-untied": ("LlamaConfig", "LlamaForCausalLM",
-                         dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False)),
-    "llama-gqa-tied": ("LlamaConfig", "LlamaForCausalLM",
-                       dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                            rope_theta=500_000.0)),
+    "llama-mha-untied": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
+    ),
+    "llama-gqa-tied": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=500_000.0),
+    ),
     # A window shorter than the test sequences and the generations, on every layer.
-    "mistral-gqa-untied-headdim-window": ("MistralConfig", "MistralForCausalLM",
-                                          dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                                               tie_word_embeddings=False, rope_theta=1_000_000.0, sliding_window=24)),
-    "qwen2-gqa-tied-bias": ("Qwen2Config", "Qwen2ForCausalLM",
-                            dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                                 rope_theta=1_000_000.0)),
+    "mistral-gqa-untied-headdim-window": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=False,
+            rope_theta=1_000_000.0,
+            sliding_window=24,
+        ),
+    ),
+    "qwen2-gqa-tied-bias": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, rope_theta=1_000_000.0),
+    ),
     # Qwen2's per-layer windows: layer 0 full attention, layer 1 a 16-token window.
-    "qwen2-mqa-untied-bias-window": ("Qwen2Config", "Qwen2ForCausalLM",
-                                     dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=False,
-                                          use_sliding_window=True, sliding_window=16, max_window_layers=1)),
+    "qwen2-mqa-untied-bias-window": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            tie_word_embeddings=False,
+            use_sliding_window=True,
+            sliding_window=16,
+            max_window_layers=1,
+        ),
+    ),
 }
 
 MAX_DIFFS = {}  # case -> max |logit difference|, printed at the end of the module
 
 
 def make_hf_model(config_cls, model_cls, seed=0, **overrides):
-    kw = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS,
-              max_position_embeddings=CONTEXT, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+    kw = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=LAYERS,
+        max_position_embeddings=CONTEXT,
+        rms_norm_eps=1e-5,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     kw.update(overrides)
     config = getattr(transformers, config_cls)(**kw)
     config._attn_implementation = "eager"
@@ -100,8 +133,14 @@ def test_config_mapping(case):
     name, hf_model, _, model = case
     c, h = model.config, hf_model.config
     assert (c.vocab_size, c.d_model, c.num_layers, c.num_heads, c.kv_heads, c.head_size, c.mlp_dim) == (
-        h.vocab_size, h.hidden_size, h.num_hidden_layers, h.num_attention_heads, h.num_key_value_heads,
-        getattr(h, "head_dim", None) or h.hidden_size // h.num_attention_heads, h.intermediate_size)
+        h.vocab_size,
+        h.hidden_size,
+        h.num_hidden_layers,
+        h.num_attention_heads,
+        h.num_key_value_heads,
+        getattr(h, "head_dim", None) or h.hidden_size // h.num_attention_heads,
+        h.intermediate_size,
+    )
     assert c.rope_theta == h.rope_parameters["rope_theta"]
     assert c.tie_embeddings == h.tie_word_embeddings
     assert c.qkv_bias == name.startswith("qwen2")
@@ -138,10 +177,12 @@ def test_greedy_tokens_match_transformers(case, generations):
     for row, prompt in enumerate(PROMPTS):
         with torch.no_grad():
             out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False)
-        ref = out[0, len(prompt):].tolist()
+        ref = out[0, len(prompt) :].tolist()
         assert len(ref) == NEW
-        assert ours[row] == ref, f"{name} row {row}: first difference at step " \
-                                 f"{next(i for i, (a, b) in enumerate(zip(ours[row], ref)) if a != b)}"
+        assert ours[row] == ref, (
+            f"{name} row {row}: first difference at step "
+            f"{next(i for i, (a, b) in enumerate(zip(ours[row], ref, strict=True)) if a != b)}"
+        )
 
 
 def test_cache_equals_recompute_on_converted_model(case, generations):
@@ -157,18 +198,25 @@ def test_round_trip_through_save_hf(case, tmp_path):
     out = str(tmp_path / "out")
     save_hf(model, None, out)
     assert os.path.isfile(os.path.join(out, "model.safetensors")) and os.path.isfile(os.path.join(out, "config.json"))
-    back = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32,
-                                                               attn_implementation="eager").eval()
+    back = transformers.AutoModelForCausalLM.from_pretrained(
+        out, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     # The architecture it is written as: q/k/v biases need Qwen2, a window on every layer Mistral, else Llama.
-    expected = ("Qwen2ForCausalLM" if model.config.qkv_bias else
-                "MistralForCausalLM" if any(model.config.layer_windows) else "LlamaForCausalLM")
+    expected = (
+        "Qwen2ForCausalLM"
+        if model.config.qkv_bias
+        else "MistralForCausalLM"
+        if any(model.config.layer_windows)
+        else "LlamaForCausalLM"
+    )
     assert type(back).__name__ == expected
     assert back.config.tie_word_embeddings == hf_model.config.tie_word_embeddings
     np.testing.assert_array_equal(hf_logits(back, TOKENS), hf_logits(hf_model, TOKENS))
     # And back into this project: identical parameters.
     again, _ = load_hf(out)
-    from flax import nnx
     import jax
+    from flax import nnx
+
     a, b = nnx.to_pure_dict(nnx.state(model)), nnx.to_pure_dict(nnx.state(again))
     jax.tree.map(np.testing.assert_array_equal, a, b)
 
@@ -186,6 +234,7 @@ def test_round_trip_as_mistral(case, tmp_path):
 
 
 # ---- loading details, no compilation needed ----------------------------------------------------------------
+
 
 def _params(model):
     from flax import nnx
@@ -280,8 +329,11 @@ def test_missing_tensor_names_it(llama_dir, tmp_path):
     tensors = load_file(os.path.join(p, "model.safetensors"))
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, os.path.join(p, "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(HFFormatError, match=r"no tensor 'model\.layers\.1\.mlp\.up_proj\.weight'.*"
-                                            r"\[128=intermediate_size, 64=hidden_size\]"):
+    with pytest.raises(
+        HFFormatError,
+        match=r"no tensor 'model\.layers\.1\.mlp\.up_proj\.weight'.*"
+        r"\[128=intermediate_size, 64=hidden_size\]",
+    ):
         load_hf(p)
 
 
@@ -289,8 +341,11 @@ def test_shape_mismatch_names_tensor_and_expected_shape(llama_dir, tmp_path):
     path, _ = llama_dir
     p = _copy(path, tmp_path)
     _edit_config(p, num_key_value_heads=1)  # the weights have 2 KV heads
-    with pytest.raises(HFFormatError, match=r"'model\.layers\.0\.self_attn\.k_proj\.weight'.*shape \[32, 64\], "
-                                            r"expected \[16=num_key_value_heads\*head_dim, 64=hidden_size\]"):
+    with pytest.raises(
+        HFFormatError,
+        match=r"'model\.layers\.0\.self_attn\.k_proj\.weight'.*shape \[32, 64\], "
+        r"expected \[16=num_key_value_heads\*head_dim, 64=hidden_size\]",
+    ):
         load_hf(p)
 
 
@@ -306,15 +361,20 @@ def test_unexpected_tensor_is_refused(llama_dir, tmp_path):
         load_hf(p)
 
 
-@pytest.mark.parametrize("changes, match", [
-    (dict(architectures=["GPT2LMHeadModel"], model_type="gpt2"),
-     r"unsupported architecture \['GPT2LMHeadModel'\].*LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"),
-    (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}), r"rope type 'llama3'"),
-    (dict(rope_parameters=_DELETE, rope_scaling={"type": "linear", "factor": 2.0}), r"rope type 'linear'"),
-    (dict(hidden_act="gelu"), r"hidden_act='gelu'.*expected 'silu'"),
-    (dict(attention_bias=True), r"attention_bias=true"),
-    (dict(mlp_bias=True), r"mlp_bias=true"),
-])
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        (
+            dict(architectures=["GPT2LMHeadModel"], model_type="gpt2"),
+            r"unsupported architecture \['GPT2LMHeadModel'\].*LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM",
+        ),
+        (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}), r"rope type 'llama3'"),
+        (dict(rope_parameters=_DELETE, rope_scaling={"type": "linear", "factor": 2.0}), r"rope type 'linear'"),
+        (dict(hidden_act="gelu"), r"hidden_act='gelu'.*expected 'silu'"),
+        (dict(attention_bias=True), r"attention_bias=true"),
+        (dict(mlp_bias=True), r"mlp_bias=true"),
+    ],
+)
 def test_unsupported_configs_are_refused(llama_dir, tmp_path, changes, match):
     path, _ = llama_dir
     p = _copy(path, tmp_path)
@@ -323,18 +383,46 @@ def test_unsupported_configs_are_refused(llama_dir, tmp_path, changes, match):
         load_hf(p)
 
 
-@pytest.mark.parametrize("changes, windows, pattern", [
-    (dict(sliding_window=4096), (0, 0), ""),  # Llama ignores the key, as transformers does
-    (dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=4096), (0, 0), ""),  # >= context
-    (dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=32), (32, 32), ""),
-    (dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None), (0, 0), ""),
-    (dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", sliding_window=32, use_sliding_window=False),
-     (0, 0), ""),
-    (dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", sliding_window=32, use_sliding_window=True,
-          max_window_layers=1), (0, 32), "global,local"),
-    (dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", sliding_window=32, use_sliding_window=True,
-          layer_types=["sliding_attention", "full_attention"]), (32, 0), "local,global"),
-])
+@pytest.mark.parametrize(
+    "changes, windows, pattern",
+    [
+        (dict(sliding_window=4096), (0, 0), ""),  # Llama ignores the key, as transformers does
+        (
+            dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=4096),
+            (0, 0),
+            "",
+        ),  # >= context
+        (dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=32), (32, 32), ""),
+        (dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None), (0, 0), ""),
+        (
+            dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", sliding_window=32, use_sliding_window=False),
+            (0, 0),
+            "",
+        ),
+        (
+            dict(
+                architectures=["Qwen2ForCausalLM"],
+                model_type="qwen2",
+                sliding_window=32,
+                use_sliding_window=True,
+                max_window_layers=1,
+            ),
+            (0, 32),
+            "global,local",
+        ),
+        (
+            dict(
+                architectures=["Qwen2ForCausalLM"],
+                model_type="qwen2",
+                sliding_window=32,
+                use_sliding_window=True,
+                layer_types=["sliding_attention", "full_attention"],
+            ),
+            (32, 0),
+            "local,global",
+        ),
+    ],
+)
 def test_sliding_window_mapping(llama_dir, changes, windows, pattern):
     from causal_lm.interop.hf import model_config_from_hf
 
@@ -349,13 +437,14 @@ def test_save_refuses_what_hf_cannot_express(tmp_path):
     from causal_lm.config import ModelConfig
 
     small = dict(vocab_size=32, d_model=16, num_layers=1, num_heads=2, mlp_dim=32, max_seq_len=16)
-    for extra, match in ((dict(position="learned"), "position='learned'"),
-                         (dict(sliding_window=8), "sliding window.*Llama has none"),
-                         (dict(rope_fraction=0.5), "rope_fraction=0.5"),
-                         (dict(attn_sink=True), "attn_sink")):
+    for extra, match in (
+        (dict(position="learned"), "position='learned'"),
+        (dict(sliding_window=8), "sliding window.*Llama has none"),
+        (dict(rope_fraction=0.5), "rope_fraction=0.5"),
+        (dict(attn_sink=True), "attn_sink"),
+    ):
         with pytest.raises(HFFormatError, match=match):
-            save_hf(_abstract_model(ModelConfig(**small, **extra)), None, str(tmp_path / "x"),
-                    architecture="llama")
+            save_hf(_abstract_model(ModelConfig(**small, **extra)), None, str(tmp_path / "x"), architecture="llama")
     with pytest.raises(HFFormatError, match="unknown architecture 'gpt2'"):
         save_hf(_abstract_model(ModelConfig(**small)), None, str(tmp_path / "x"), architecture="gpt2")
 
@@ -371,6 +460,7 @@ def _abstract_model(config):
 
 # ---- tokenizers and the command line -------------------------------------------------------------------------
 
+
 def _train_tokenizer_json(path):
     """A small byte-level BPE tokenizer.json (ids 0, 1, 2 = <pad>, <s>, </s>, matching the test configs)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -378,10 +468,17 @@ def _train_tokenizer_json(path):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    texts = ["The quick brown fox jumps over the lazy dog.", "Language models predict the next token.",
-             "Ein kleiner Text, und 中文 auch."] * 10
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    texts = [
+        "The quick brown fox jumps over the lazy dog.",
+        "Language models predict the next token.",
+        "Ein kleiner Text, und 中文 auch.",
+    ] * 10
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts, trainer)
     tok.save(path)
     return tok
@@ -437,9 +534,9 @@ def test_cli_convert_generate_eval_and_back(hf_dir_with_tokenizer, tmp_path, cap
     assert out.out.startswith(prompt) and "tokens/s" in out.err
     # The text is transformers' greedy continuation (up to the first EOS, where generate stops).
     with torch.no_grad():
-        ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False)[0, len(ids):].tolist()
+        ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False)[0, len(ids) :].tolist()
     if 2 in ref:
-        ref = ref[:ref.index(2) + 1]
+        ref = ref[: ref.index(2) + 1]
     assert out.out == prompt + tok.decode(ref, skip_special_tokens=True) + "\n"
 
     data = tmp_path / "eval.txt"

@@ -22,11 +22,14 @@ def kv_json(capsys, *argv):
 
 
 # The anchor's 16 full-attention layers, 24 query heads of dim 256, bf16: the lesson's three figures.
-@pytest.mark.parametrize("preset,per_token,total", [
-    ("anchor_16l_mha", 384 * KiB, 96 * GiB),
-    ("anchor_16l_gqa4", 64 * KiB, 16 * GiB),
-    ("anchor_16l_mqa", 16 * KiB, 4 * GiB),
-])
+@pytest.mark.parametrize(
+    "preset,per_token,total",
+    [
+        ("anchor_16l_mha", 384 * KiB, 96 * GiB),
+        ("anchor_16l_gqa4", 64 * KiB, 16 * GiB),
+        ("anchor_16l_mqa", 16 * KiB, 4 * GiB),
+    ],
+)
 def test_anchor_figures(capsys, preset, per_token, total):
     r = kv_json(capsys, "--preset", preset, "--context", str(CONTEXT), "--bytes-per-element", "2")
     assert r["bytes_per_token"] == per_token
@@ -61,15 +64,29 @@ def test_text_output_and_units(capsys):
 
 
 def test_element_size_and_config_file(capsys, repo_root):
-    r = kv_json(capsys, "--config", os.path.join(repo_root, "configs", "anchor_16l_gqa4.py"), "--context", "10",
-                "--bytes-per-element", "4")
+    r = kv_json(
+        capsys,
+        "--config",
+        os.path.join(repo_root, "configs", "anchor_16l_gqa4.py"),
+        "--context",
+        "10",
+        "--bytes-per-element",
+        "4",
+    )
     assert r["bytes_per_token"] == 128 * KiB and r["total_bytes"] == 1280 * KiB
 
 
 def test_sliding_window_counts_local_layers_at_their_window(capsys):
     # 16 layers, 3 local : 1 global, window 4096: 12 layers hold 4096 tokens, 4 hold all 262,144.
-    r = kv_json(capsys, "--preset", "anchor_16l_gqa4", "sliding_window=4096", "layer_pattern=local,local,local,global",
-                "--context", str(CONTEXT))
+    r = kv_json(
+        capsys,
+        "--preset",
+        "anchor_16l_gqa4",
+        "sliding_window=4096",
+        "layer_pattern=local,local,local,global",
+        "--context",
+        str(CONTEXT),
+    )
     assert r["local_layers"] == 12
     assert r["total_bytes"] == 4 * KiB * (12 * 4096 + 4 * CONTEXT)
     assert r["allocated_bytes"] == 64 * KiB * CONTEXT  # this codebase keeps local layers full length
@@ -104,6 +121,7 @@ def test_bad_arguments(capsys):
 
 # ---- the project's own models: what init_cache allocates == what the calculator predicts ---------------------
 
+
 def _tiny(**kw):
     base = dict(vocab_size=61, d_model=32, num_layers=3, num_heads=4, mlp_dim=48, max_seq_len=64)
     base.update(kw)
@@ -115,8 +133,15 @@ OWN_MODELS = {
     "gqa": _tiny(num_kv_heads=2),
     "mqa": _tiny(num_kv_heads=1),
     "mla": _tiny(attention_type="mla", kv_lora_rank=12, qk_rope_head_dim=4),
-    "mla-qlora-absorb": _tiny(attention_type="mla", kv_lora_rank=10, q_lora_rank=6, qk_nope_head_dim=6,
-                              qk_rope_head_dim=2, v_head_dim=5, mla_absorb=True),
+    "mla-qlora-absorb": _tiny(
+        attention_type="mla",
+        kv_lora_rank=10,
+        q_lora_rank=6,
+        qk_nope_head_dim=6,
+        qk_rope_head_dim=2,
+        v_head_dim=5,
+        mla_absorb=True,
+    ),
     "mla-nope": _tiny(attention_type="mla", kv_lora_rank=12, position="none"),
     "sliding": _tiny(num_kv_heads=2, sliding_window=5, layer_pattern="local,global"),
     "small-preset": load_config("small").model,
@@ -155,5 +180,6 @@ def test_config_validation_names_the_fix():
         ModelConfig(attention_type="mla", kv_lora_rank=64, num_kv_heads=2)
     with pytest.raises(ConfigError, match="attention_type"):
         ModelConfig(attention_type="linear")
-    np.testing.assert_equal(ModelConfig(num_layers=5, sliding_window=8, layer_pattern=("local", "global")).layer_windows,
-                            (8, 0, 8, 0, 8))
+    np.testing.assert_equal(
+        ModelConfig(num_layers=5, sliding_window=8, layer_pattern=("local", "global")).layer_windows, (8, 0, 8, 0, 8)
+    )

@@ -19,8 +19,20 @@ PROMPTS = [[5, 9, 1, 33, 7, 2, 40, 11, 3], [12, 4, 50]]  # ragged
 
 
 def _config(**kw):
-    base = dict(vocab_size=61, d_model=32, num_layers=2, num_heads=4, mlp_dim=48, max_seq_len=96, init_std=0.25,
-                attention_type="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
+    base = dict(
+        vocab_size=61,
+        d_model=32,
+        num_layers=2,
+        num_heads=4,
+        mlp_dim=48,
+        max_seq_len=96,
+        init_std=0.25,
+        attention_type="mla",
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+    )
     base.update(kw)
     return ModelConfig(**base)
 
@@ -33,7 +45,7 @@ VARIANTS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def model(name):
     c = VARIANTS[name]
     m = build_model(c, seed=0)
@@ -47,7 +59,7 @@ def model(name):
 PROBED = ["expanded", "absorbed-qlora-gate-sink"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def probe(name):
     """One compiled program per variant: the Jacobian of the logits w.r.t. the input embeddings, the full logits,
     two prefixes run alone, and the same tokens pushed through a cache in two chunks (6 + 4)."""
@@ -79,10 +91,11 @@ def probe(name):
     return tuple(None if x is None else np.asarray(x) for x in run(state, tokens))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def generated(name, use_cache, chunk_size=None):
-    return generate(model(name), PROMPTS, max_new_tokens=NEW, use_cache=use_cache, chunk_size=chunk_size,
-                    return_logits=True)
+    return generate(
+        model(name), PROMPTS, max_new_tokens=NEW, use_cache=use_cache, chunk_size=chunk_size, return_logits=True
+    )
 
 
 @pytest.mark.parametrize("name", PROBED)
@@ -113,11 +126,14 @@ def test_expanded_and_absorbed_share_parameters_and_the_no_cache_path():
     np.testing.assert_array_equal(probe("expanded")[1], probe("absorbed")[1])
 
 
-@pytest.mark.parametrize("name,reference", [
-    ("expanded", "expanded"),
-    ("absorbed", "expanded"),  # the recompute path does not depend on mla_absorb (test above)
-    ("absorbed-qlora-gate-sink", "absorbed-qlora-gate-sink"),
-])
+@pytest.mark.parametrize(
+    "name,reference",
+    [
+        ("expanded", "expanded"),
+        ("absorbed", "expanded"),  # the recompute path does not depend on mla_absorb (test above)
+        ("absorbed-qlora-gate-sink", "absorbed-qlora-gate-sink"),
+    ],
+)
 def test_cache_equals_recompute(name, reference):
     cached, recomputed = generated(name, True), generated(reference, False)
     assert cached.steps == NEW

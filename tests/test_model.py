@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from variants import VARIANT_IDS, VARIANTS, tiny_config, tiny_model
 
 import causal_lm
 from causal_lm.config import ConfigError, ModelConfig, apply_overrides, load_config
 from causal_lm.model import InputError, attention_weights, build_model
 from causal_lm.model.functional import forward
-from variants import VARIANT_IDS, VARIANTS, tiny_config, tiny_model
 
 T = 10
 
@@ -21,7 +21,7 @@ def _tokens(config, B=2, T=T, seed=0):
     return np.random.default_rng(seed).integers(0, config.vocab_size, (B, T)).astype(np.int32)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def probe(config: ModelConfig):
     """One compiled program per variant: the Jacobian of the logits w.r.t. the input embeddings, the full-sequence
     logits and the logits of two prefixes run alone."""
@@ -136,7 +136,7 @@ def test_sink_share_matches_reference():
                 p = np.exp(logits - logits.max())
                 p /= p.sum()
                 np.testing.assert_allclose(w[b, n, i, : i + 1], p[:-1], atol=1e-6)
-                assert np.all(w[b, n, i, i + 1:] == 0)
+                assert np.all(w[b, n, i, i + 1 :] == 0)
 
 
 def test_fully_masked_row_is_zero_not_nan():
@@ -151,9 +151,11 @@ def test_fully_masked_row_is_zero_not_nan():
         assert np.all(w[..., :2, :] == 0)
 
 
-@pytest.mark.parametrize("variant", [("mha", "rope_partial", True, True), ("mqa", "learned", False, False),
-                                     ("gqa", "nope", False, True)], ids=["mha-partial-gate-sink", "mqa-learned",
-                                                                          "gqa-nope-sink"])
+@pytest.mark.parametrize(
+    "variant",
+    [("mha", "rope_partial", True, True), ("mqa", "learned", False, False), ("gqa", "nope", False, True)],
+    ids=["mha-partial-gate-sink", "mqa-learned", "gqa-nope-sink"],
+)
 def test_packed_documents_equal_separate_runs(variant):
     config = tiny_config(*variant)
     model = tiny_model(config)
@@ -174,8 +176,9 @@ def test_padding_keys_get_zero_weight_and_padded_rows_are_finite():
     tokens = _tokens(config, B=2)
     seg = np.ones_like(tokens)
     seg[0, 7:] = 0  # row 0: 7 real tokens then padding
-    w = np.asarray(_weights_jit(nnx.split(tiny_model(config))[1], tokens, seg,
-                                graphdef=nnx.split(tiny_model(config))[0]))
+    w = np.asarray(
+        _weights_jit(nnx.split(tiny_model(config))[1], tokens, seg, graphdef=nnx.split(tiny_model(config))[0])
+    )
     assert np.all(w[:, 0, :, :, 7:] == 0), "a padded key received attention"
     logits, _ = forward(tiny_model(config), tokens, segment_ids=seg)
     logits = np.asarray(logits)
@@ -250,13 +253,14 @@ def test_rope_hand_written_derivative_matches_autodiff(rope_dim, table_batch):
 
     want = jax.grad(loss(rope._rope_forward), argnums=(0, 1, 2))(x, cos, sin)
     got = jax.grad(loss(rope.apply_rope), argnums=(0, 1, 2))(x, cos, sin)
-    for w, v in zip(want, got):
+    for w, v in zip(want, got, strict=True):
         assert w.shape == v.shape
         np.testing.assert_allclose(np.asarray(v), np.asarray(w), atol=1e-5, rtol=1e-5)
     assert float(jnp.max(jnp.abs(got[0]))) > 0
 
 
 # ---- bad input: clear errors before any compute ---------------------------------------------------------------
+
 
 def test_out_of_vocab_token_is_an_error():
     config = tiny_config()
@@ -293,17 +297,20 @@ def test_input_errors_are_raised_before_compute(monkeypatch):
         fn.forward(tiny_model(config), np.zeros((1, 4), np.float32))
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(num_heads=4, num_kv_heads=3), "must divide num_heads"),
-    (dict(d_model=30, num_heads=4), "not divisible by num_heads"),
-    (dict(position="alibi"), "position must be one of"),
-    (dict(attention_mask="bidirectional"), "attention_mask must be one of"),
-    (dict(rope_fraction=0.3), "rope_fraction"),
-    (dict(rope_fraction=1.5), r"rope_fraction must be in \[0, 1\]"),
-    (dict(vocab_size=0), "vocab_size must be a positive integer"),
-    (dict(attention_impl="dot_product_attention", attn_sink=True), "attn_sink needs attention_impl='xla'"),
-    (dict(dtype="float64"), "dtype must be one of"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_heads=4, num_kv_heads=3), "must divide num_heads"),
+        (dict(d_model=30, num_heads=4), "not divisible by num_heads"),
+        (dict(position="alibi"), "position must be one of"),
+        (dict(attention_mask="bidirectional"), "attention_mask must be one of"),
+        (dict(rope_fraction=0.3), "rope_fraction"),
+        (dict(rope_fraction=1.5), r"rope_fraction must be in \[0, 1\]"),
+        (dict(vocab_size=0), "vocab_size must be a positive integer"),
+        (dict(attention_impl="dot_product_attention", attn_sink=True), "attn_sink needs attention_impl='xla'"),
+        (dict(dtype="float64"), "dtype must be one of"),
+    ],
+)
 def test_bad_config_is_an_error(kwargs, match):
     base = dict(vocab_size=61, d_model=32, num_layers=2, num_heads=4, mlp_dim=48, max_seq_len=64)
     base.update(kwargs)
@@ -312,8 +319,17 @@ def test_bad_config_is_an_error(kwargs, match):
 
 
 def test_overrides_convert_types_and_reject_unknown_keys():
-    c = load_config("tiny", ["model.num_layers=3", "num_kv_heads=1", "rope_theta=500000", "attn_sink=true",
-                             "head_dim=none", "train.steps=7"])
+    c = load_config(
+        "tiny",
+        [
+            "model.num_layers=3",
+            "num_kv_heads=1",
+            "rope_theta=500000",
+            "attn_sink=true",
+            "head_dim=none",
+            "train.steps=7",
+        ],
+    )
     assert c.model.num_layers == 3 and c.model.kv_heads == 1 and c.model.rope_theta == 5e5
     assert c.model.attn_sink is True and c.model.head_dim is None and c.train.steps == 7
     with pytest.raises(ConfigError, match=r"unknown config key 'model.num_layer'; valid keys: .*model.num_layers"):

@@ -22,7 +22,8 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from jax.sharding import AbstractMesh, PartitionSpec as P
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
 
 from causal_lm import parallel
 from causal_lm.cli import main
@@ -38,8 +39,13 @@ ATOL = 1e-5
 
 
 def _env(devices: int) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_DEFAULT_MATMUL_PRECISION="highest", PYTHONPATH=ROOT,
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}")
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        JAX_DEFAULT_MATMUL_PRECISION="highest",
+        PYTHONPATH=ROOT,
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}",
+    )
     env.pop("JAX_COORDINATOR_ADDRESS", None)
     return env
 
@@ -54,6 +60,7 @@ def _specs(tree, mesh) -> dict:
 
 
 # ---- the mesh and the rules (this process, no devices needed) ------------------------------------------------
+
 
 def test_mesh_shape_resolves_the_rest_and_rejects_what_does_not_fit():
     assert parallel.mesh_shape(MeshConfig(), 8) == (8, 1, 1)
@@ -79,16 +86,43 @@ def test_one_device_takes_the_unsharded_path_and_a_bigger_mesh_is_an_error():
 
 
 VARIANTS = {
-    "mha+bias+sink": ModelConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4, mlp_dim=128,
-                                 qkv_bias=True, attn_sink=True),
-    "gqa+gate+untied": ModelConfig(vocab_size=259, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                                   mlp_dim=128, attn_output_gate=True, tie_embeddings=False),
-    "mqa+learned": ModelConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=1, mlp_dim=128,
-                               position="learned"),
-    "mla": ModelConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4, mlp_dim=128, attention_type="mla",
-                       kv_lora_rank=16, attn_output_gate=True, attn_sink=True),
-    "mla+q_lora": ModelConfig(vocab_size=256, d_model=64, num_layers=2, num_heads=4, mlp_dim=128,
-                              attention_type="mla", kv_lora_rank=16, q_lora_rank=24),
+    "mha+bias+sink": ModelConfig(
+        vocab_size=256, d_model=64, num_layers=2, num_heads=4, mlp_dim=128, qkv_bias=True, attn_sink=True
+    ),
+    "gqa+gate+untied": ModelConfig(
+        vocab_size=259,
+        d_model=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        mlp_dim=128,
+        attn_output_gate=True,
+        tie_embeddings=False,
+    ),
+    "mqa+learned": ModelConfig(
+        vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=1, mlp_dim=128, position="learned"
+    ),
+    "mla": ModelConfig(
+        vocab_size=256,
+        d_model=64,
+        num_layers=2,
+        num_heads=4,
+        mlp_dim=128,
+        attention_type="mla",
+        kv_lora_rank=16,
+        attn_output_gate=True,
+        attn_sink=True,
+    ),
+    "mla+q_lora": ModelConfig(
+        vocab_size=256,
+        d_model=64,
+        num_layers=2,
+        num_heads=4,
+        mlp_dim=128,
+        attention_type="mla",
+        kv_lora_rank=16,
+        q_lora_rank=24,
+    ),
 }
 
 
@@ -158,21 +192,35 @@ def test_batch_and_cache_are_split_over_data_and_fsdp_where_they_divide():
 
 # ---- multi-host start-up ---------------------------------------------------------------------------------------
 
-LAUNCH_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "SLURM_JOB_ID", "SLURM_PROCID",
-              "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE",
-              "TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES", "MEGASCALE_COORDINATOR_ADDRESS")
+LAUNCH_ENV = (
+    "JAX_COORDINATOR_ADDRESS",
+    "JAX_NUM_PROCESSES",
+    "JAX_PROCESS_ID",
+    "SLURM_JOB_ID",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_STEP_NUM_TASKS",
+    "OMPI_MCA_orte_hnp_uri",
+    "OMPI_COMM_WORLD_SIZE",
+    "TPU_WORKER_HOSTNAMES",
+    "TPU_PROCESS_ADDRESSES",
+    "MEGASCALE_COORDINATOR_ADDRESS",
+)
 
 
-@pytest.mark.parametrize("env, expected", [
-    ({}, None),
-    ({"SLURM_JOB_ID": "7", "SLURM_PROCID": "3", "SLURM_NTASKS": "16", "SLURM_STEP_NUM_TASKS": "16"}, "slurm"),
-    ({"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "16"}, None),  # the batch script, not srun
-    ({"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1"}, None),  # srun -n1
-    ({"OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:1", "OMPI_COMM_WORLD_SIZE": "4"}, "openmpi"),
-    ({"TPU_WORKER_HOSTNAMES": "w0,w1,w2,w3"}, "tpu"),
-    ({"TPU_WORKER_HOSTNAMES": "w0"}, None),  # a single-host slice
-    ({"JAX_COORDINATOR_ADDRESS": "h:1234", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}, "env"),
-])
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({}, None),
+        ({"SLURM_JOB_ID": "7", "SLURM_PROCID": "3", "SLURM_NTASKS": "16", "SLURM_STEP_NUM_TASKS": "16"}, "slurm"),
+        ({"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "16"}, None),  # the batch script, not srun
+        ({"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1"}, None),  # srun -n1
+        ({"OMPI_MCA_orte_hnp_uri": "1.0;tcp://10.0.0.1:1", "OMPI_COMM_WORLD_SIZE": "4"}, "openmpi"),
+        ({"TPU_WORKER_HOSTNAMES": "w0,w1,w2,w3"}, "tpu"),
+        ({"TPU_WORKER_HOSTNAMES": "w0"}, None),  # a single-host slice
+        ({"JAX_COORDINATOR_ADDRESS": "h:1234", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "1"}, "env"),
+    ],
+)
 def test_launcher_detection(monkeypatch, env, expected):
     for k in LAUNCH_ENV:
         monkeypatch.delenv(k, raising=False)
@@ -201,27 +249,56 @@ def test_cli_train_rejects_partial_coordinator_flags(tmp_path, capsys):
 
 # ---- launch scripts ------------------------------------------------------------------------------------------
 
+
 def _dry_run(cmd, **env):
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60,
-                         env={k: v for k, v in dict(os.environ, **env).items() if not k.startswith("SLURM_")})
+    out = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={k: v for k, v in dict(os.environ, **env).items() if not k.startswith("SLURM_")},
+    )
     assert out.returncode == 0, out.stderr
     return [line[2:] for line in out.stdout.splitlines() if line.startswith("+ ")], out.stdout
 
 
 def test_tpu_vm_dry_run_prints_create_install_and_the_same_train_command_on_all_workers():
-    cmds, text = _dry_run(["bash", "launch/tpu_vm.sh", "--dry-run", "--name", "lm", "--zone", "us-central2-b",
-                           "--type", "v4-16", "--bucket", "my-bucket", "--", "--config", "small", "--workdir",
-                           "~/gcs/runs/small", "mesh.fsdp=4"])
+    cmds, text = _dry_run(
+        [
+            "bash",
+            "launch/tpu_vm.sh",
+            "--dry-run",
+            "--name",
+            "lm",
+            "--zone",
+            "us-central2-b",
+            "--type",
+            "v4-16",
+            "--bucket",
+            "my-bucket",
+            "--",
+            "--config",
+            "small",
+            "--workdir",
+            "~/gcs/runs/small",
+            "mesh.fsdp=4",
+        ]
+    )
     assert cmds[0] == "gcloud compute tpus tpu-vm describe lm --zone us-central2-b"
-    assert cmds[1] == ("gcloud compute tpus tpu-vm create lm --zone us-central2-b --accelerator-type v4-16 "
-                       "--version tpu-ubuntu2204-base")
+    assert cmds[1] == (
+        "gcloud compute tpus tpu-vm create lm --zone us-central2-b --accelerator-type v4-16 "
+        "--version tpu-ubuntu2204-base"
+    )
     assert cmds[2].startswith("tar -czf ")
     assert re.match(r"gcloud compute tpus tpu-vm scp \S+\.tar\.gz 'lm:~/causal_lm\.tar\.gz' --worker=all", cmds[3])
     assert cmds[4].startswith("gcloud compute tpus tpu-vm ssh lm --worker=all --zone us-central2-b --command '")
     assert '.venv/bin/pip install -q -e ".[tpu]"' in cmds[4] and "gcsfuse --implicit-dirs my-bucket ~/gcs" in cmds[4]
-    assert cmds[5] == ("gcloud compute tpus tpu-vm ssh lm --worker=all --zone us-central2-b --command 'cd "
-                       "~/causal_lm && .venv/bin/causal-lm train --distributed --config small --workdir "
-                       "~/gcs/runs/small mesh.fsdp=4'")
+    assert cmds[5] == (
+        "gcloud compute tpus tpu-vm ssh lm --worker=all --zone us-central2-b --command 'cd "
+        "~/causal_lm && .venv/bin/causal-lm train --distributed --config small --workdir "
+        "~/gcs/runs/small mesh.fsdp=4'"
+    )
     assert len(cmds) == 6 and "nothing was created" in text
     # DRY_RUN=1 does the same; without --bucket the default workdir is local (single-worker slices).
     cmds, _ = _dry_run(["bash", "launch/tpu_vm.sh"], DRY_RUN="1", TPU_NAME="solo", ACCELERATOR_TYPE="v4-8")
@@ -229,11 +306,23 @@ def test_tpu_vm_dry_run_prints_create_install_and_the_same_train_command_on_all_
 
 
 def test_slurm_dry_run_prints_install_and_one_srun_task_per_gpu():
-    cmds, text = _dry_run(["bash", "launch/slurm_gpu.sbatch", "--dry-run", "--config", "small", "--workdir",
-                           "runs/small-2n", "mesh.fsdp=8"])
-    assert cmds == ["srun --nodes=1 --ntasks=1 bash launch/_venv.sh gpu",
-                    "srun --nodes=2 --ntasks=16 --ntasks-per-node=8 --kill-on-bad-exit=1 .venv/bin/causal-lm "
-                    "train --config small --workdir runs/small-2n mesh.fsdp=8"]
+    cmds, text = _dry_run(
+        [
+            "bash",
+            "launch/slurm_gpu.sbatch",
+            "--dry-run",
+            "--config",
+            "small",
+            "--workdir",
+            "runs/small-2n",
+            "mesh.fsdp=8",
+        ]
+    )
+    assert cmds == [
+        "srun --nodes=1 --ntasks=1 bash launch/_venv.sh gpu",
+        "srun --nodes=2 --ntasks=16 --ntasks-per-node=8 --kill-on-bad-exit=1 .venv/bin/causal-lm "
+        "train --config small --workdir runs/small-2n mesh.fsdp=8",
+    ]
     assert "16 JAX processes" in text
     cmds, _ = _dry_run(["bash", "launch/slurm_gpu.sbatch"], DRY_RUN="1")
     assert cmds[1].endswith("train --config small --workdir runs/slurm-local")
@@ -243,17 +332,34 @@ def test_slurm_dry_run_prints_install_and_one_srun_task_per_gpu():
 # The 8-device worker and the 2+1 `causal-lm train` processes of the two-process test are started at once (for
 # whichever of their tests are selected) so that their compiles overlap on the machine's cores.
 
-MESH_TESTS = {"test_train_step_on_a_mesh_equals_one_device", "test_sharded_initialisation_equals_one_device",
-              "test_generation_on_a_mesh_gives_the_same_tokens",
-              "test_checkpoint_saved_on_4x2_restores_onto_another_mesh",
-              "test_training_loop_resumes_onto_a_different_mesh"}
+MESH_TESTS = {
+    "test_train_step_on_a_mesh_equals_one_device",
+    "test_sharded_initialisation_equals_one_device",
+    "test_generation_on_a_mesh_gives_the_same_tokens",
+    "test_checkpoint_saved_on_4x2_restores_onto_another_mesh",
+    "test_training_loop_resumes_onto_a_different_mesh",
+}
 MP_TEST = "test_two_processes_train_like_one"
 
-MP_OVERRIDES = ["model.d_model=32", "model.num_layers=1", "model.mlp_dim=64", "model.max_seq_len=32",
-                "data.max_documents=40", "train.batch_size=8", "train.seq_len=16", "train.eval_batches=1",
-                "train.steps=3", "train.log_every=1", "train.eval_every=3", "train.checkpoint_every=3",
-                "train.learning_rate=1e-3", "train.warmup_steps=1", "train.sample_tokens=4",
-                "train.sample_temperature=0", "train.progress=true"]
+MP_OVERRIDES = [
+    "model.d_model=32",
+    "model.num_layers=1",
+    "model.mlp_dim=64",
+    "model.max_seq_len=32",
+    "data.max_documents=40",
+    "train.batch_size=8",
+    "train.seq_len=16",
+    "train.eval_batches=1",
+    "train.steps=3",
+    "train.log_every=1",
+    "train.eval_every=3",
+    "train.checkpoint_every=3",
+    "train.learning_rate=1e-3",
+    "train.warmup_steps=1",
+    "train.sample_tokens=4",
+    "train.sample_temperature=0",
+    "train.progress=true",
+]
 
 
 def _free_port() -> int:
@@ -263,8 +369,7 @@ def _free_port() -> int:
 
 
 def _popen(cmd, devices: int):
-    return subprocess.Popen(cmd, cwd=ROOT, env=_env(devices), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    return subprocess.Popen(cmd, cwd=ROOT, env=_env(devices), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 @pytest.fixture(scope="module")
@@ -279,8 +384,24 @@ def background(request, tmp_path_factory):
         multi, single = str(root / "multi"), str(root / "single")
         port = _free_port()
         cli = [sys.executable, "-m", "causal_lm.cli", "train", "--config", "tiny"] + MP_OVERRIDES
-        jobs["mp"] = [_popen(cli + ["mesh.fsdp=2", "--workdir", multi, "--coordinator", f"localhost:{port}",
-                                    "--num-processes", "2", "--process-id", str(i)], 2) for i in range(2)]
+        jobs["mp"] = [
+            _popen(
+                cli
+                + [
+                    "mesh.fsdp=2",
+                    "--workdir",
+                    multi,
+                    "--coordinator",
+                    f"localhost:{port}",
+                    "--num-processes",
+                    "2",
+                    "--process-id",
+                    str(i),
+                ],
+                2,
+            )
+            for i in range(2)
+        ]
         jobs["mp"].append(_popen(cli + ["--workdir", single], 1))
         jobs["mp_dirs"] = (multi, single)
     yield jobs
@@ -301,7 +422,7 @@ def mesh_results(background):
     stdout, stderr = _finish([proc])[0]
     lines = [ln for ln in stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"worker failed:\n{stdout[-3000:]}\n{stderr[-6000:]}"
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 @pytest.mark.slow
@@ -313,8 +434,12 @@ def test_train_step_on_a_mesh_equals_one_device(mesh_results, kind, shape):
     assert r["loss_diff"] <= ATOL, (r["losses"], r["ref_losses"])
     assert r["param_diff"] <= ATOL and r["opt_diff"] <= ATOL
     # The layout really is the partition rules' (wq [L, D, N, H]; Adam's moments follow it).
-    expected = {(8, 1, 1): P(), (4, 2, 1): P(None, "fsdp"), (2, 2, 2): P(None, "fsdp", "tensor"),
-                (1, 8, 1): P(None, "fsdp")}[shape]
+    expected = {
+        (8, 1, 1): P(),
+        (4, 2, 1): P(None, "fsdp"),
+        (2, 2, 2): P(None, "fsdp", "tensor"),
+        (1, 8, 1): P(None, "fsdp"),
+    }[shape]
     assert r["wq_spec"] == r["mu_wq_spec"] == str(expected)
 
 
@@ -371,7 +496,7 @@ def _multiprocess_unsupported() -> str:
     port = _free_port()
     procs = [_popen([sys.executable, "-c", PROBE, f"localhost:{port}", str(i)], 2) for i in range(2)]
     outs = _finish(procs, 120)
-    if all(p.returncode == 0 and o[0].strip().endswith("4.0") for p, o in zip(procs, outs)):
+    if all(p.returncode == 0 and o[0].strip().endswith("4.0") for p, o in zip(procs, outs, strict=True)):
         return ""
     return "jax.distributed on localhost with 2 CPU processes fails here: " + outs[0][1].strip()[-500:]
 
@@ -399,8 +524,12 @@ def test_two_processes_train_like_one(background):
         reason = _multiprocess_unsupported()
         if reason:
             pytest.skip(reason)
-        raise AssertionError("\n\n".join(f"process {i} (rc {p.returncode}):\n{o[1][-4000:]}"
-                                         for i, (p, o) in enumerate(zip(procs, outs))))
+        raise AssertionError(
+            "\n\n".join(
+                f"process {i} (rc {p.returncode}):\n{o[1][-4000:]}"
+                for i, (p, o) in enumerate(zip(procs, outs, strict=True))
+            )
+        )
     # Only process 0 logs; both ran on the 4 devices of the 2 processes.
     assert "devices: mesh data=2, fsdp=2, tensor=1 over 4 cpu devices in 2 processes" in outs[0][1]
     assert "step 3" in outs[0][1] and "done: step 3" in outs[0][0]
@@ -408,8 +537,10 @@ def test_two_processes_train_like_one(background):
 
     a, b = read_metrics(multi), read_metrics(single)
     assert [r["step"] for r in a] == [r["step"] for r in b] == [1, 2, 3]
-    assert max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b)) <= ATOL
+    assert max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b, strict=True)) <= ATOL
     assert abs(a[-1]["val_loss"] - b[-1]["val_loss"]) <= ATOL
     assert a[-1]["sample"] == b[-1]["sample"]
     pa, pb = _load_params(multi), _load_params(single)
-    assert max(float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb))) <= ATOL
+    assert (
+        max(float(np.max(np.abs(x - y))) for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb), strict=True)) <= ATOL
+    )

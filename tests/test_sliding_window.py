@@ -18,8 +18,17 @@ W = 4  # window: a query at position p sees keys p-3 .. p
 
 
 def _config(**kw):
-    base = dict(vocab_size=61, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=48, max_seq_len=96,
-                init_std=0.2, sliding_window=W)
+    base = dict(
+        vocab_size=61,
+        d_model=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        mlp_dim=48,
+        max_seq_len=96,
+        init_std=0.2,
+        sliding_window=W,
+    )
     base.update(kw)
     return ModelConfig(**base)
 
@@ -29,14 +38,20 @@ def _config(**kw):
 CONFIGS = {
     "all-local-mqa-sink": _config(num_kv_heads=1, attn_sink=True),
     "local-global": _config(layer_pattern="local,global"),
-    "mla-local-global": _config(layer_pattern="local,global", num_kv_heads=None, attention_type="mla",
-                                kv_lora_rank=12, qk_rope_head_dim=4, mla_absorb=True),
+    "mla-local-global": _config(
+        layer_pattern="local,global",
+        num_kv_heads=None,
+        attention_type="mla",
+        kv_lora_rank=12,
+        qk_rope_head_dim=4,
+        mla_absorb=True,
+    ),
 }
 PROMPTS = [[5, 9, 1, 33, 7, 2, 40, 11, 3, 17, 8], [12, 4, 50]]  # ragged, the first longer than the window
 NEW = 24
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def model(name):
     m = build_model(CONFIGS[name], seed=0)
     if CONFIGS[name].attn_sink:
@@ -55,10 +70,11 @@ def attention_weights(m, tokens, segment_ids=None):
     return np.asarray(_weights(state, tokens, segment_ids, graphdef=graphdef))  # [L, B, N, T, S]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def generated(name, use_cache, chunk_size=None):
-    return generate(model(name), PROMPTS, max_new_tokens=NEW, use_cache=use_cache, chunk_size=chunk_size,
-                    return_logits=True)
+    return generate(
+        model(name), PROMPTS, max_new_tokens=NEW, use_cache=use_cache, chunk_size=chunk_size, return_logits=True
+    )
 
 
 def test_make_mask_window():

@@ -17,15 +17,28 @@ import pytest
 from causal_lm.cli import main
 from causal_lm.config import ConfigError, apply_overrides, config_from_dict, load_config
 from causal_lm.data import build_data, builtin_documents
-from causal_lm.train import (CheckpointError, Checkpointer, NonFiniteLossError, evaluate, load_for_inference,
-                             read_metrics, train_and_evaluate)
+from causal_lm.train import (
+    Checkpointer,
+    CheckpointError,
+    NonFiniteLossError,
+    evaluate,
+    load_for_inference,
+    read_metrics,
+    train_and_evaluate,
+)
 from causal_lm.train.checkpoint import CHECKPOINT_DIR
 from causal_lm.train.state import init_params, init_train_state, make_optimizer
 from causal_lm.train.step import compiled_train_step, eval_sums
 
 N = 100  # the resume test: 2N steps straight vs N, SIGKILL, resume to 2N
-OVERRIDES = [f"train.steps={2 * N}", "train.eval_every=50", "train.checkpoint_every=50", "train.log_every=25",
-             "train.progress=false", "train.sample_tokens=0"]
+OVERRIDES = [
+    f"train.steps={2 * N}",
+    "train.eval_every=50",
+    "train.checkpoint_every=50",
+    "train.log_every=25",
+    "train.progress=false",
+    "train.sample_tokens=0",
+]
 STATE_KEYS = ("opt_state", "step", "rng", "bad_step")
 
 
@@ -55,8 +68,9 @@ def _restore_all(workdir, step):
 
 
 def test_one_step_smoke(tmp_path):
-    record = train_and_evaluate(load_config("tiny", ["train.steps=1", "train.progress=false",
-                                                     "train.sample_tokens=16"]), str(tmp_path))
+    record = train_and_evaluate(
+        load_config("tiny", ["train.steps=1", "train.progress=false", "train.sample_tokens=16"]), str(tmp_path)
+    )
     assert record["step"] == 1 and math.isfinite(record["loss"]) and math.isfinite(record["val_loss"])
     assert isinstance(record["sample"], str)  # sampled through the KV cache
     assert 0 < record["loss"] < 2 * math.log(259)
@@ -128,8 +142,13 @@ def test_resume_after_sigkill_is_bitwise_exact(trained, tmp_path):
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     with open(tmp_path / "child.err", "w") as err:
-        proc = subprocess.Popen([sys.executable, str(script), workdir, str(N), *OVERRIDES], stdout=subprocess.PIPE,
-                                stderr=err, text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+        proc = subprocess.Popen(
+            [sys.executable, str(script), workdir, str(N), *OVERRIDES],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            cwd=os.path.dirname(os.path.dirname(__file__)),
+        )
         watchdog = threading.Timer(300, proc.kill)  # a hung child fails the test instead of hanging it
         watchdog.start()
         lines = []
@@ -160,7 +179,7 @@ def test_resume_after_sigkill_is_bitwise_exact(trained, tmp_path):
     (p1, s1), (p2, s2) = _restore_all(trained, 2 * N), _restore_all(workdir, 2 * N)
     leaves1, leaves2 = jax.tree.leaves((p1, s1)), jax.tree.leaves((p2, s2))
     assert len(leaves1) == len(leaves2) > 10
-    for a, b in zip(leaves1, leaves2):
+    for a, b in zip(leaves1, leaves2, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # bitwise: params, Adam moments, step, RNG
     assert int(s2["step"]) == 2 * N
 
@@ -173,7 +192,9 @@ def test_trained_checkpoint_round_trip(trained, capsys):
     params, _ = _restore_all(trained, 2 * N)
     from flax import nnx
 
-    for a, b in zip(jax.tree.leaves(nnx.to_pure_dict(nnx.state(model, nnx.Param))), jax.tree.leaves(params)):
+    for a, b in zip(
+        jax.tree.leaves(nnx.to_pure_dict(nnx.state(model, nnx.Param))), jax.tree.leaves(params), strict=True
+    ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # The loaded model scores the validation batches exactly as the training loop did at its last eval.
     data = build_data(config, tokenizer)
@@ -218,8 +239,7 @@ def test_bad_inputs_fail_before_any_compute(tmp_path, capsys):
     workdir = tmp_path / "run"
     assert main(["train", "--config", "tiny", f"data.corpus={empty}", "--workdir", str(workdir)]) == 2
     assert "empty.txt" in capsys.readouterr().err and not workdir.exists()  # nothing created
-    assert main(["train", "--config", "tiny", f"data.corpus={tmp_path / 'nope.jsonl'}", "--workdir",
-                 str(workdir)]) == 2
+    assert main(["train", "--config", "tiny", f"data.corpus={tmp_path / 'nope.jsonl'}", "--workdir", str(workdir)]) == 2
     assert "nope.jsonl" in capsys.readouterr().err and not workdir.exists()
     assert main(["eval", "--workdir", str(tmp_path / "never_trained")]) == 2
     assert "no checkpoints" in capsys.readouterr().err
@@ -248,21 +268,28 @@ def test_microbatches_equal_one_big_batch():
     # scaled differently, which Adam's first update would hide), and the updated parameters agree.
     np.testing.assert_allclose(m4["loss"], m1["loss"], rtol=2e-6)
     np.testing.assert_allclose(m4["grad_norm"], m1["grad_norm"], rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(p4), jax.tree.leaves(p1)):
+    for a, b in zip(jax.tree.leaves(p4), jax.tree.leaves(p1), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-6)
     # The test can tell: averaging the microbatches' own means (a common bug) gives a different loss.
     means = []
     for i in range(0, 16, 4):
-        loss_sum, count = eval_sums(graphdef, params, rest, {k: v[i:i + 4] for k, v in batch.items()})
+        loss_sum, count = eval_sums(graphdef, params, rest, {k: v[i : i + 4] for k, v in batch.items()})
         means.append(float(loss_sum) / float(count))
     assert abs(np.mean(means) - float(m1["loss"])) > 1e-3
 
 
 @pytest.mark.parametrize("checkpoint_every", [6, 1])
 def test_non_finite_loss_halts_naming_the_step_and_saves_nothing_bad(tmp_path, checkpoint_every):
-    overrides = ["train.learning_rate=1e30", "train.warmup_steps=0", "train.steps=12", "train.log_every=6",
-                 "train.eval_every=6", f"train.checkpoint_every={checkpoint_every}", "train.progress=false",
-                 "train.sample_tokens=0"]
+    overrides = [
+        "train.learning_rate=1e30",
+        "train.warmup_steps=0",
+        "train.steps=12",
+        "train.log_every=6",
+        "train.eval_every=6",
+        f"train.checkpoint_every={checkpoint_every}",
+        "train.progress=false",
+        "train.sample_tokens=0",
+    ]
     config = load_config("tiny", overrides)
     with pytest.raises(NonFiniteLossError) as e:
         train_and_evaluate(config, str(tmp_path))
@@ -272,14 +299,17 @@ def test_non_finite_loss_halts_naming_the_step_and_saves_nothing_bad(tmp_path, c
     graphdef, params, rest = init_params(config.model, config.train.seed)
     state = init_train_state(params, make_optimizer(config.train), config.train.seed)
     step_fn = compiled_train_step(config.model, config.train, graphdef)
-    for s in range(1, 13):
+    for s in range(1, 13):  # noqa: B007 (s is the step the halt must name, read after the loop)
         state, m = step_fn(state, rest, next(data.train))
         if not (np.isfinite(float(m["loss"])) and np.isfinite(float(m["grad_norm"]))) or int(state.bad_step):
             break
     assert named == s == int(state.bad_step)
     # No metrics record and no checkpoint at or after that step; what was saved is finite.
-    assert all(r["step"] < named for r in read_metrics(str(tmp_path))) if os.path.exists(
-        tmp_path / "metrics.jsonl") else True
+    assert (
+        all(r["step"] < named for r in read_metrics(str(tmp_path)))
+        if os.path.exists(tmp_path / "metrics.jsonl")
+        else True
+    )
     steps = Checkpointer(str(tmp_path), read_only=True).all_steps()
     assert all(s < named for s in steps)
     if checkpoint_every == 1:

@@ -14,8 +14,7 @@ POSITIONS = {
 }
 
 VARIANTS = [
-    (kv, pos, gate, sink)
-    for kv, pos, gate, sink in itertools.product(HEADS, POSITIONS, (False, True), (False, True))
+    (kv, pos, gate, sink) for kv, pos, gate, sink in itertools.product(HEADS, POSITIONS, (False, True), (False, True))
 ]
 
 
@@ -27,18 +26,30 @@ def variant_id(v):
 VARIANT_IDS = [variant_id(v) for v in VARIANTS]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_config(kv="gqa", pos="rope_full", gate=False, sink=False, **overrides) -> ModelConfig:
-    base = dict(vocab_size=61, d_model=32, num_layers=2, num_heads=4, num_kv_heads=HEADS[kv], mlp_dim=48,
-                max_seq_len=96, init_std=0.2, attn_output_gate=gate, attn_sink=sink, **POSITIONS[pos])
+    base = dict(
+        vocab_size=61,
+        d_model=32,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=HEADS[kv],
+        mlp_dim=48,
+        max_seq_len=96,
+        init_std=0.2,
+        attn_output_gate=gate,
+        attn_sink=sink,
+        **POSITIONS[pos],
+    )
     base.update(overrides)
     return ModelConfig(**base)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_model(config: ModelConfig, seed: int = 0):
     """Built once per config. Sink logits are set away from 0 so the sink really takes a share."""
     import jax.numpy as jnp
+
     from causal_lm.model import build_model
 
     model = build_model(config, seed=seed)

@@ -11,25 +11,32 @@ from causal_lm.commands.common import add_config_args, config_from_args
 
 
 def register(sub):
-    p = sub.add_parser("bench", help="training / decoding throughput vs transformers (PyTorch) and the machine",
-                       description="Benchmarks run in one process: the machine's matmul FLOP/s and memory "
-                                   "bandwidth, then ours and the peer (transformers' LlamaForCausalLM with the "
-                                   "same weights, when torch and transformers are installed).")
+    p = sub.add_parser(
+        "bench",
+        help="training / decoding throughput vs transformers (PyTorch) and the machine",
+        description="Benchmarks run in one process: the machine's matmul FLOP/s and memory "
+        "bandwidth, then ours and the peer (transformers' LlamaForCausalLM with the "
+        "same weights, when torch and transformers are installed).",
+    )
     which = p.add_subparsers(dest="bench", metavar="{train,decode}")
     t = which.add_parser("train", help="tokens/s, step time, MFU, compile time of the training step")
     _common(t)
     t.add_argument("--steps", type=int, default=None, help="timed steps after warm-up (default 5; quick 2)")
     t.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 2; quick 1)")
-    t.add_argument("--compile-layers", default="2,12",
-                   help="depths whose first-step compile time is measured, comma-separated ('' = none)")
+    t.add_argument(
+        "--compile-layers",
+        default="2,12",
+        help="depths whose first-step compile time is measured, comma-separated ('' = none)",
+    )
     t.set_defaults(func=run_train)
     d = which.add_parser("decode", help="generate tokens/s with the KV cache and with recompute")
     _common(d)
     d.add_argument("--contexts", default="128,512,1024,2048", help="prompt lengths, comma-separated")
     d.add_argument("--batches", default="1,8", help="batch sizes, comma-separated")
     d.add_argument("--new-tokens", type=int, default=None, help="decode steps timed with the cache (default 128)")
-    d.add_argument("--recompute-new-tokens", type=int, default=None,
-                   help="decode steps timed without the cache (default 4)")
+    d.add_argument(
+        "--recompute-new-tokens", type=int, default=None, help="decode steps timed without the cache (default 4)"
+    )
     d.add_argument("--reps", type=int, default=None, help="timed calls per length; the best counts (default 3)")
     d.set_defaults(func=run_decode)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
@@ -52,8 +59,14 @@ def _ints(text: str) -> tuple:
 def run_train(args) -> int:
     from causal_lm.bench import bench_train, format_train
 
-    r = bench_train(config_from_args(args), steps=args.steps, warmup=args.warmup, peer=not args.no_peer,
-                    quick=args.quick, compile_layers=_ints(args.compile_layers))
+    r = bench_train(
+        config_from_args(args),
+        steps=args.steps,
+        warmup=args.warmup,
+        peer=not args.no_peer,
+        quick=args.quick,
+        compile_layers=_ints(args.compile_layers),
+    )
     print(json.dumps(r) if args.json else format_train(r))
     return 0
 
@@ -61,8 +74,15 @@ def run_train(args) -> int:
 def run_decode(args) -> int:
     from causal_lm.bench import bench_decode, format_decode
 
-    r = bench_decode(config_from_args(args), contexts=_ints(args.contexts), batches=_ints(args.batches),
-                     new_tokens=args.new_tokens, recompute_new_tokens=args.recompute_new_tokens, reps=args.reps,
-                     peer=not args.no_peer, quick=args.quick)
+    r = bench_decode(
+        config_from_args(args),
+        contexts=_ints(args.contexts),
+        batches=_ints(args.batches),
+        new_tokens=args.new_tokens,
+        recompute_new_tokens=args.recompute_new_tokens,
+        reps=args.reps,
+        peer=not args.no_peer,
+        quick=args.quick,
+    )
     print(json.dumps(r) if args.json else format_decode(r))
     return 0

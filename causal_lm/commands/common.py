@@ -4,11 +4,18 @@ from __future__ import annotations
 
 
 def add_config_args(p, *, default_config: str | None = "small"):
-    p.add_argument("--config", default=default_config,
-                   help="preset file with get_config() (configs/NAME.py, or a bare preset name)"
-                        + (f"; default: {default_config}" if default_config else ""))
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                   help="config overrides, e.g. model.num_layers=4 train.steps=100 (bare keys: model first)")
+    p.add_argument(
+        "--config",
+        default=default_config,
+        help="preset file with get_config() (configs/NAME.py, or a bare preset name)"
+        + (f"; default: {default_config}" if default_config else ""),
+    )
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="KEY=VALUE",
+        help="config overrides, e.g. model.num_layers=4 train.steps=100 (bare keys: model first)",
+    )
 
 
 def config_from_args(args):

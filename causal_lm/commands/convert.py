@@ -1,7 +1,7 @@
 """`causal-lm convert`: Hugging Face Llama / Mistral / Qwen2 checkpoints to a workdir, and back.
 
-    causal-lm convert --from-hf DIR --workdir OUT     then: causal-lm generate/eval --workdir OUT
-    causal-lm convert --to-hf WORKDIR --out DIR       then: transformers' from_pretrained(DIR)
+causal-lm convert --from-hf DIR --workdir OUT     then: causal-lm generate/eval --workdir OUT
+causal-lm convert --to-hf WORKDIR --out DIR       then: transformers' from_pretrained(DIR)
 """
 
 from __future__ import annotations
@@ -11,31 +11,50 @@ import os
 
 
 def register(sub):
-    p = sub.add_parser("convert", help="convert Hugging Face Llama/Mistral/Qwen2 checkpoints to a workdir and back",
-                       description="--from-hf DIR --workdir OUT reads a local Hugging Face checkpoint folder "
-                                   "(config.json, *.safetensors, tokenizer.json) into a workdir that generate, "
-                                   "eval and train use; --to-hf WORKDIR --out DIR writes a workdir's model as a "
-                                   "folder transformers loads. Nothing is downloaded.")
+    p = sub.add_parser(
+        "convert",
+        help="convert Hugging Face Llama/Mistral/Qwen2 checkpoints to a workdir and back",
+        description="--from-hf DIR --workdir OUT reads a local Hugging Face checkpoint folder "
+        "(config.json, *.safetensors, tokenizer.json) into a workdir that generate, "
+        "eval and train use; --to-hf WORKDIR --out DIR writes a workdir's model as a "
+        "folder transformers loads. Nothing is downloaded.",
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-hf", metavar="DIR", help="Hugging Face checkpoint folder to read")
     src.add_argument("--to-hf", metavar="WORKDIR", help="workdir whose checkpoint to write as a Hugging Face folder")
     p.add_argument("--workdir", help="with --from-hf: the workdir to create")
     p.add_argument("--out", help="with --to-hf: the folder to write")
-    p.add_argument("--tokenizer", default=None,
-                   help="with --from-hf: a tokenizer.json to use when DIR has none (generate and eval need one)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                   help="with --from-hf: parameter and compute dtype of the converted model (default float32)")
-    p.add_argument("--max-seq-len", type=int, default=None,
-                   help="with --from-hf: context length (default: the checkpoint's max_position_embeddings)")
-    p.add_argument("--architecture", choices=("llama", "mistral", "qwen2"), default=None,
-                   help="with --to-hf: the architecture to write (default: qwen2 if the model has q/k/v biases, "
-                        "mistral if it has a sliding window on every layer, else llama)")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="with --from-hf: a tokenizer.json to use when DIR has none (generate and eval need one)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16", "float16"),
+        help="with --from-hf: parameter and compute dtype of the converted model (default float32)",
+    )
+    p.add_argument(
+        "--max-seq-len",
+        type=int,
+        default=None,
+        help="with --from-hf: context length (default: the checkpoint's max_position_embeddings)",
+    )
+    p.add_argument(
+        "--architecture",
+        choices=("llama", "mistral", "qwen2"),
+        default=None,
+        help="with --to-hf: the architecture to write (default: qwen2 if the model has q/k/v biases, "
+        "mistral if it has a sliding window on every layer, else llama)",
+    )
     p.add_argument("--step", default=None, help="with --to-hf: checkpoint step, 'latest' (default) or 'best'")
     p.set_defaults(func=run)
 
 
-def convert_from_hf(hf_dir: str, workdir: str, *, tokenizer_path=None, dtype: str = "float32",
-                    max_seq_len=None) -> dict:
+def convert_from_hf(
+    hf_dir: str, workdir: str, *, tokenizer_path=None, dtype: str = "float32", max_seq_len=None
+) -> dict:
     """Read `hf_dir` with load_hf and write it as a checkpoint of `workdir`. Returns a summary dict."""
     from causal_lm.config import Config, DataConfig, TrainConfig
     from causal_lm.data.tokenizer import HFTokenizer
@@ -46,8 +65,10 @@ def convert_from_hf(hf_dir: str, workdir: str, *, tokenizer_path=None, dtype: st
     if tokenizer_path is not None:
         tokenizer = HFTokenizer.from_file(tokenizer_path)
     if tokenizer is None:
-        raise HFFormatError(f"{hf_dir!r} has no tokenizer.json, which generate and eval need to turn text into "
-                            "ids; pass --tokenizer PATH/tokenizer.json")
+        raise HFFormatError(
+            f"{hf_dir!r} has no tokenizer.json, which generate and eval need to turn text into "
+            "ids; pass --tokenizer PATH/tokenizer.json"
+        )
     mc = model.config
     # Training-side settings only matter if the workdir is fine-tuned later: a context that fits the model, and
     # the workdir's own copy of the tokenizer (written by save_for_inference) as data.tokenizer.
@@ -56,8 +77,13 @@ def convert_from_hf(hf_dir: str, workdir: str, *, tokenizer_path=None, dtype: st
     config = Config(model=mc, data=data, train=train)
     path = save_for_inference(workdir, model, config, tokenizer)
     arch = read_hf_config(hf_dir).get("architectures", ["?"])[0]
-    return {"architecture": arch, "params": model.num_params(), "config": mc, "checkpoint": path,
-            "tokenizer_vocab": tokenizer.vocab_size}
+    return {
+        "architecture": arch,
+        "params": model.num_params(),
+        "config": mc,
+        "checkpoint": path,
+        "tokenizer_vocab": tokenizer.vocab_size,
+    }
 
 
 def convert_to_hf(workdir: str, out_dir: str, *, architecture=None, step=None) -> dict:
@@ -69,22 +95,29 @@ def convert_to_hf(workdir: str, out_dir: str, *, architecture=None, step=None) -
     save_hf(model, tokenizer, out_dir, architecture=architecture)
     with open(os.path.join(out_dir, "config.json")) as f:
         arch = json.load(f)["architectures"][0]
-    return {"architecture": arch, "params": model.num_params(), "out": out_dir,
-            "tokenizer_json": os.path.isfile(os.path.join(out_dir, "tokenizer.json"))}
+    return {
+        "architecture": arch,
+        "params": model.num_params(),
+        "out": out_dir,
+        "tokenizer_json": os.path.isfile(os.path.join(out_dir, "tokenizer.json")),
+    }
 
 
 def run(args) -> int:
     if args.from_hf:
         if not args.workdir or args.out:
             raise ValueError("--from-hf DIR needs --workdir OUT (and no --out)")
-        r = convert_from_hf(args.from_hf, args.workdir, tokenizer_path=args.tokenizer, dtype=args.dtype,
-                            max_seq_len=args.max_seq_len)
+        r = convert_from_hf(
+            args.from_hf, args.workdir, tokenizer_path=args.tokenizer, dtype=args.dtype, max_seq_len=args.max_seq_len
+        )
         m = r["config"]
         window = f", sliding window {m.sliding_window}" if m.sliding_window else ""
-        print(f"{r['architecture']}: {r['params']:,} parameters, {m.num_layers} layers, d_model {m.d_model}, "
-              f"{m.num_heads} heads / {m.kv_heads} kv heads, head dim {m.head_size}, vocab {m.vocab_size}, "
-              f"context {m.max_seq_len}, rope theta {m.rope_theta:g}{window}, "
-              f"{'tied' if m.tie_embeddings else 'untied'} embeddings, {m.param_dtype}")
+        print(
+            f"{r['architecture']}: {r['params']:,} parameters, {m.num_layers} layers, d_model {m.d_model}, "
+            f"{m.num_heads} heads / {m.kv_heads} kv heads, head dim {m.head_size}, vocab {m.vocab_size}, "
+            f"context {m.max_seq_len}, rope theta {m.rope_theta:g}{window}, "
+            f"{'tied' if m.tie_embeddings else 'untied'} embeddings, {m.param_dtype}"
+        )
         print(f"wrote {r['checkpoint']}")
         print(f"next: causal-lm generate --workdir {args.workdir} --prompt '...'")
         return 0
@@ -98,4 +131,3 @@ def run(args) -> int:
     tok = "with tokenizer.json" if r["tokenizer_json"] else "no tokenizer.json (this tokenizer kind has none)"
     print(f"wrote {r['out']} as {r['architecture']} ({r['params']:,} parameters, {tok})")
     return 0
-

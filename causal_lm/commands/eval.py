@@ -6,22 +6,34 @@ import json
 
 
 def register(sub):
-    p = sub.add_parser("eval", help="evaluate a workdir's checkpoint on held-out text",
-                       description="Loss (nats/token), perplexity and bits per byte of a trained (or converted) "
-                                   "workdir's model on the validation split of its training corpus, or of --data.")
+    p = sub.add_parser(
+        "eval",
+        help="evaluate a workdir's checkpoint on held-out text",
+        description="Loss (nats/token), perplexity and bits per byte of a trained (or converted) "
+        "workdir's model on the validation split of its training corpus, or of --data.",
+    )
     p.add_argument("--workdir", required=True)
-    p.add_argument("--data", default=None, help="corpus spec: builtin, a path or glob of txt/jsonl/parquet, or "
-                                                "hf:NAME (default: the corpus the model was trained on)")
-    p.add_argument("--split", choices=("val", "train"), default="val",
-                   help="which split of the corpus (documents are split the same way as in training)")
+    p.add_argument(
+        "--data",
+        default=None,
+        help="corpus spec: builtin, a path or glob of txt/jsonl/parquet, or "
+        "hf:NAME (default: the corpus the model was trained on)",
+    )
+    p.add_argument(
+        "--split",
+        choices=("val", "train"),
+        default="val",
+        help="which split of the corpus (documents are split the same way as in training)",
+    )
     p.add_argument("--step", default=None, help="checkpoint step, 'latest' (default) or 'best'")
     p.add_argument("--max-batches", type=int, default=0, help="cap on batches (0 = the whole split)")
     p.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
     p.set_defaults(func=run)
 
 
-def evaluate_workdir(workdir: str, data: str | None = None, split: str = "val", step=None,
-                     max_batches: int = 0) -> dict:
+def evaluate_workdir(
+    workdir: str, data: str | None = None, split: str = "val", step=None, max_batches: int = 0
+) -> dict:
     """The metrics `causal-lm eval` prints, as a dict."""
     import itertools
 
@@ -49,6 +61,8 @@ def run(args) -> int:
         print(json.dumps(r))
     else:
         bpb = f", {r['bits_per_byte']:.4f} bits/byte" if r.get("bits_per_byte") is not None else ""
-        print(f"{r['corpus']} ({r['split']}, {r['tokens']:,} tokens): loss {r['loss']:.4f}, "
-              f"perplexity {r['perplexity']:.3f}{bpb}")
+        print(
+            f"{r['corpus']} ({r['split']}, {r['tokens']:,} tokens): loss {r['loss']:.4f}, "
+            f"perplexity {r['perplexity']:.3f}{bpb}"
+        )
     return 0

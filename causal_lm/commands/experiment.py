@@ -6,10 +6,12 @@ from __future__ import annotations
 def register(sub):
     from causal_lm.experiments import EXPERIMENTS
 
-    p = sub.add_parser("experiment", help="run a seed experiment: report.md, a PNG figure and results.json",
-                       description="Run a seed experiment into --out: report.md, a PNG figure, results.json and the "
-                                   "training workdirs (rerunning resumes them). Experiments: "
-                                   + ", ".join(sorted(EXPERIMENTS)))
+    p = sub.add_parser(
+        "experiment",
+        help="run a seed experiment: report.md, a PNG figure and results.json",
+        description="Run a seed experiment into --out: report.md, a PNG figure, results.json and the "
+        "training workdirs (rerunning resumes them). Experiments: " + ", ".join(sorted(EXPERIMENTS)),
+    )
     p.add_argument("name", choices=sorted(EXPERIMENTS), metavar="NAME", help=", ".join(sorted(EXPERIMENTS)))
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--config", default=None, help="preset or config file (default: the experiment's own)")

@@ -7,12 +7,16 @@ import time
 
 
 def register(sub):
-    p = sub.add_parser("generate", help="generate text with or without the KV cache, streaming, with tokens/s",
-                       description="Generate from a trained (or converted) workdir, or from a random-init model "
-                                   "built from --config (useful for timing).")
+    p = sub.add_parser(
+        "generate",
+        help="generate text with or without the KV cache, streaming, with tokens/s",
+        description="Generate from a trained (or converted) workdir, or from a random-init model "
+        "built from --config (useful for timing).",
+    )
     p.add_argument("--workdir", help="training workdir to load the latest checkpoint and tokenizer from")
-    p.add_argument("--config", default=None, help="preset for a random-init model when no --workdir is given "
-                                                  "(default: small)")
+    p.add_argument(
+        "--config", default=None, help="preset for a random-init model when no --workdir is given (default: small)"
+    )
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="model overrides for --config")
     p.add_argument("--prompt", default="The ", help="prompt text")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -61,8 +65,16 @@ def run(args) -> int:
             out.flush()
 
     stops = [tok.eos_id] if getattr(tok, "eos_id", None) is not None else []
-    kw = dict(max_new_tokens=args.max_new_tokens, use_cache=not args.no_cache, temperature=args.temperature,
-              top_k=args.top_k, top_p=args.top_p, seed=args.seed, chunk_size=args.chunk_size, stop_tokens=stops)
+    kw = dict(
+        max_new_tokens=args.max_new_tokens,
+        use_cache=not args.no_cache,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        chunk_size=args.chunk_size,
+        stop_tokens=stops,
+    )
     # Compile outside the timed run so tokens/s measures decoding, not XLA.
     streaming = not args.no_stream and decode is not None
     t0 = time.perf_counter()
@@ -75,6 +87,9 @@ def run(args) -> int:
         out.write(tok.decode(res.tokens[0]))
     n = len(res.tokens[0])
     print()
-    print(f"[{'recompute' if args.no_cache else 'kv cache'}] {n} tokens in {dt:.3f}s = {n / dt:.1f} tokens/s "
-          f"(first call incl. compile {compile_s:.2f}s); K/V vectors computed: {res.kv_computed}", file=sys.stderr)
+    print(
+        f"[{'recompute' if args.no_cache else 'kv cache'}] {n} tokens in {dt:.3f}s = {n / dt:.1f} tokens/s "
+        f"(first call incl. compile {compile_s:.2f}s); K/V vectors computed: {res.kv_computed}",
+        file=sys.stderr,
+    )
     return 0

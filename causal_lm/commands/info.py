@@ -27,22 +27,33 @@ def info(config, seed: int = 0) -> dict:
     t0 = time.perf_counter()
     logits, _ = forward(model, tokens)
     jax.block_until_ready(logits)
-    return {"params": model.num_params(), "kv_bytes_per_token": m.kv_bytes_per_token(),
-            "logits_shape": tuple(logits.shape), "forward_s": time.perf_counter() - t0,
-            "backend": jax.default_backend(), "finite": bool(np.isfinite(np.asarray(logits)).all())}
+    return {
+        "params": model.num_params(),
+        "kv_bytes_per_token": m.kv_bytes_per_token(),
+        "logits_shape": tuple(logits.shape),
+        "forward_s": time.perf_counter() - t0,
+        "backend": jax.default_backend(),
+        "finite": bool(np.isfinite(np.asarray(logits)).all()),
+    }
 
 
 def run(args) -> int:
     config = config_from_args(args)
     m = config.model
-    attn = (f"{m.attention_label}, {m.num_heads} heads, KV latent {m.kv_lora_rank} + rope key {m.rope_dim}"
-            if m.attention_type == "mla" else
-            f"{m.attention_label}, {m.num_heads} heads / {m.kv_heads} kv heads, head dim {m.head_size}")
-    print(f"model: {m.num_layers} layers, d_model {m.d_model}, {attn}, mlp {m.mlp_dim}, vocab {m.vocab_size}, "
-          f"position {m.position}")
+    attn = (
+        f"{m.attention_label}, {m.num_heads} heads, KV latent {m.kv_lora_rank} + rope key {m.rope_dim}"
+        if m.attention_type == "mla"
+        else f"{m.attention_label}, {m.num_heads} heads / {m.kv_heads} kv heads, head dim {m.head_size}"
+    )
+    print(
+        f"model: {m.num_layers} layers, d_model {m.d_model}, {attn}, mlp {m.mlp_dim}, vocab {m.vocab_size}, "
+        f"position {m.position}"
+    )
     r = info(config, args.seed)
     print(f"parameters: {r['params']:,}")
     print(f"KV cache: {r['kv_bytes_per_token']:,} bytes per token ({m.dtype})")
-    print(f"forward pass on {r['backend']}: logits {r['logits_shape']}, finite={r['finite']}, "
-          f"{r['forward_s']:.2f}s including compile")
+    print(
+        f"forward pass on {r['backend']}: logits {r['logits_shape']}, finite={r['finite']}, "
+        f"{r['forward_s']:.2f}s including compile"
+    )
     return 0

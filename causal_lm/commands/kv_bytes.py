@@ -19,10 +19,13 @@ from causal_lm.config import ModelConfig
 
 
 def register(sub):
-    p = sub.add_parser("kv-bytes", help="KV-cache bytes per token and at a context length, for a config or preset",
-                       description="Bytes of KV cache per token and in total at a context length, for MHA / GQA / "
-                                   "MQA / MLA and sliding-window layers. Nothing is built: presets of any size "
-                                   "answer instantly.")
+    p = sub.add_parser(
+        "kv-bytes",
+        help="KV-cache bytes per token and at a context length, for a config or preset",
+        description="Bytes of KV cache per token and in total at a context length, for MHA / GQA / "
+        "MQA / MLA and sliding-window layers. Nothing is built: presets of any size "
+        "answer instantly.",
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--preset", help="architecture preset name (configs/NAME.py), e.g. deepseek_v2")
     src.add_argument("--config", help="config file with get_config()")
@@ -71,10 +74,14 @@ def human_bytes(n: float) -> str:
 
 def describe(model: ModelConfig) -> str:
     if model.attention_type == "mla":
-        return (f"MLA, {model.num_layers} layers x (latent {model.kv_lora_rank} + rope key {model.rope_dim}) "
-                f"elements per token")
-    return (f"{model.attention_label}, {model.num_layers} layers x 2 (K, V) x {model.kv_heads} KV heads "
-            f"x {model.head_size} dims per token ({model.num_heads} query heads)")
+        return (
+            f"MLA, {model.num_layers} layers x (latent {model.kv_lora_rank} + rope key {model.rope_dim}) "
+            f"elements per token"
+        )
+    return (
+        f"{model.attention_label}, {model.num_layers} layers x 2 (K, V) x {model.kv_heads} KV heads "
+        f"x {model.head_size} dims per token ({model.num_heads} query heads)"
+    )
 
 
 def run(args) -> int:
@@ -91,9 +98,11 @@ def run(args) -> int:
     print(f"  per token: {r['bytes_per_token']:,} B ({human_bytes(r['bytes_per_token'])})")
     print(f"  at {r['context']:,} tokens: {r['total_bytes']:,} B ({human_bytes(r['total_bytes'])}) per sequence")
     if r["local_layers"]:
-        print(f"  {r['local_layers']} of {m.num_layers} layers are local (window {m.sliding_window:,} tokens) and "
-              f"counted at min(context, window); init_cache here keeps them full length: "
-              f"{r['allocated_bytes']:,} B ({human_bytes(r['allocated_bytes'])})")
+        print(
+            f"  {r['local_layers']} of {m.num_layers} layers are local (window {m.sliding_window:,} tokens) and "
+            f"counted at min(context, window); init_cache here keeps them full length: "
+            f"{r['allocated_bytes']:,} B ({human_bytes(r['allocated_bytes'])})"
+        )
     if r["exceeds_max_seq_len"]:
         print(f"  note: {r['context']:,} tokens exceed this model's max_seq_len={m.max_seq_len:,}")
     return 0

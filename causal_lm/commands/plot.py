@@ -4,8 +4,11 @@ from __future__ import annotations
 
 
 def register(sub):
-    p = sub.add_parser("plot", help="plot a workdir's loss curves to a PNG",
-                       description="Train and validation loss (and the learning rate) from workdir/metrics.jsonl.")
+    p = sub.add_parser(
+        "plot",
+        help="plot a workdir's loss curves to a PNG",
+        description="Train and validation loss (and the learning rate) from workdir/metrics.jsonl.",
+    )
     p.add_argument("--workdir", required=True)
     p.add_argument("--out", default=None, help="PNG path (default: WORKDIR/loss.png)")
     p.set_defaults(func=run)

@@ -8,21 +8,34 @@ from causal_lm.commands.common import add_config_args, config_from_args
 
 
 def register(sub):
-    p = sub.add_parser("train", help="train a model (resumes when the workdir has checkpoints)",
-                       description="Train --config (with key=value overrides) in --workdir: progress bar, "
-                                   "metrics.jsonl, TensorBoard events in workdir/tb, orbax checkpoints. Rerunning "
-                                   "the same command on the same workdir resumes from its latest checkpoint.")
+    p = sub.add_parser(
+        "train",
+        help="train a model (resumes when the workdir has checkpoints)",
+        description="Train --config (with key=value overrides) in --workdir: progress bar, "
+        "metrics.jsonl, TensorBoard events in workdir/tb, orbax checkpoints. Rerunning "
+        "the same command on the same workdir resumes from its latest checkpoint.",
+    )
     add_config_args(p)
-    p.add_argument("--workdir", required=True, help="directory for checkpoints, metrics and the tokenizer "
-                                                    "(multi-host: one every host sees, e.g. NFS or a gcsfuse mount)")
-    g = p.add_argument_group("multi-host", "Run the same command on every host. Under SLURM srun (several tasks), "
-                                           "mpirun or TPU pod workers JAX's distributed runtime is started "
-                                           "automatically; otherwise give all three of the flags below.")
+    p.add_argument(
+        "--workdir",
+        required=True,
+        help="directory for checkpoints, metrics and the tokenizer "
+        "(multi-host: one every host sees, e.g. NFS or a gcsfuse mount)",
+    )
+    g = p.add_argument_group(
+        "multi-host",
+        "Run the same command on every host. Under SLURM srun (several tasks), "
+        "mpirun or TPU pod workers JAX's distributed runtime is started "
+        "automatically; otherwise give all three of the flags below.",
+    )
     g.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0 (jax.distributed coordinator)")
     g.add_argument("--num-processes", type=int, metavar="N", help="number of processes (hosts) in the run")
     g.add_argument("--process-id", type=int, metavar="I", help="this process's index, 0..N-1")
-    g.add_argument("--distributed", action="store_true",
-                   help="call jax.distributed.initialize() and let JAX detect the cluster (TPU VM slices)")
+    g.add_argument(
+        "--distributed",
+        action="store_true",
+        help="call jax.distributed.initialize() and let JAX detect the cluster (TPU VM slices)",
+    )
     p.set_defaults(func=run)
 
 
@@ -40,7 +53,9 @@ def run(args) -> int:
         print(f"causal-lm train: {e}", file=sys.stderr)
         return 1
     if record.get("val_loss") is not None and is_main_process():
-        print(f"done: step {record['step']}, val_loss {record['val_loss']:.4f}, val_ppl {record['val_ppl']:.2f}"
-              + (f", {record['val_bpb']:.3f} bits/byte" if record.get("val_bpb") is not None else "")
-              + f"; workdir {args.workdir}")
+        print(
+            f"done: step {record['step']}, val_loss {record['val_loss']:.4f}, val_ppl {record['val_ppl']:.2f}"
+            + (f", {record['val_bpb']:.3f} bits/byte" if record.get("val_bpb") is not None else "")
+            + f"; workdir {args.workdir}"
+        )
     return 0

@@ -20,8 +20,14 @@ import os
 import re
 
 BUILTIN_MIN_BYTES = 400_000
-_EXT_BUILDER = {".txt": "text", ".text": "text", ".md": "text", ".jsonl": "json", ".json": "json",
-                ".parquet": "parquet"}
+_EXT_BUILDER = {
+    ".txt": "text",
+    ".text": "text",
+    ".md": "text",
+    ".jsonl": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+}
 
 
 class DataError(ValueError):
@@ -38,8 +44,10 @@ def builtin_documents() -> list[str]:
     try:
         from pydoc_data.topics import topics
     except ImportError:  # some distributions strip it out
-        raise DataError("the built-in corpus needs the standard library's pydoc_data package, which this Python "
-                        "installation lacks; pass data.corpus=PATH to a text file instead") from None
+        raise DataError(
+            "the built-in corpus needs the standard library's pydoc_data package, which this Python "
+            "installation lacks; pass data.corpus=PATH to a text file instead"
+        ) from None
     docs = []
     for name in sorted(topics):
         for part in _HEADING.split(topics[name]):
@@ -48,12 +56,15 @@ def builtin_documents() -> list[str]:
                 docs.append(part)
     size = sum(len(d.encode("utf-8")) for d in docs)
     if size < BUILTIN_MIN_BYTES:
-        raise DataError(f"the built-in corpus (pydoc_data.topics) has only {size:,} bytes in this Python "
-                        f"installation; at least {BUILTIN_MIN_BYTES:,} are needed. Pass data.corpus=PATH instead")
+        raise DataError(
+            f"the built-in corpus (pydoc_data.topics) has only {size:,} bytes in this Python "
+            f"installation; at least {BUILTIN_MIN_BYTES:,} are needed. Pass data.corpus=PATH instead"
+        )
     return docs
 
 
 # ---- local files -------------------------------------------------------------------------------------------
+
 
 def resolve_files(spec: str) -> list[str]:
     """Expand a comma-separated list of files, directories and globs into sorted file paths."""
@@ -67,16 +78,20 @@ def resolve_files(spec: str) -> list[str]:
                 raise DataError(f"data.corpus: no files match {part!r}")
             files.extend(matched)
         elif os.path.isdir(part):
-            matched = sorted(f for f in glob.glob(os.path.join(part, "**", "*"), recursive=True)
-                             if os.path.isfile(f) and os.path.splitext(f)[1].lower() in _EXT_BUILDER)
+            matched = sorted(
+                f
+                for f in glob.glob(os.path.join(part, "**", "*"), recursive=True)
+                if os.path.isfile(f) and os.path.splitext(f)[1].lower() in _EXT_BUILDER
+            )
             if not matched:
                 raise DataError(f"data.corpus: directory {part!r} holds no {'/'.join(sorted(_EXT_BUILDER))} files")
             files.extend(matched)
         elif os.path.isfile(part):
             files.append(part)
         else:
-            raise DataError(f"data.corpus: no such file {part!r} (use 'builtin', a path, a glob, or "
-                            "'hf:NAME' for a hub dataset)")
+            raise DataError(
+                f"data.corpus: no such file {part!r} (use 'builtin', a path, a glob, or 'hf:NAME' for a hub dataset)"
+            )
     return files
 
 
@@ -85,8 +100,10 @@ def _builder_for(files: list[str]) -> str:
     for f in files:
         ext = os.path.splitext(f)[1].lower()
         if ext not in _EXT_BUILDER:
-            raise DataError(f"data.corpus: cannot read {f!r}: unknown extension {ext or '(none)'!r} "
-                            f"(known: {', '.join(sorted(_EXT_BUILDER))})")
+            raise DataError(
+                f"data.corpus: cannot read {f!r}: unknown extension {ext or '(none)'!r} "
+                f"(known: {', '.join(sorted(_EXT_BUILDER))})"
+            )
         builders.add(_EXT_BUILDER[ext])
     if len(builders) > 1:
         raise DataError(f"data.corpus mixes file formats ({', '.join(sorted(builders))}); use one format per run")
@@ -105,20 +122,23 @@ def _check_file(path: str, builder: str) -> None:
                 try:
                     dec.decode(chunk)
                 except UnicodeDecodeError as e:
-                    raise DataError(f"data.corpus: file {path!r} is not UTF-8 text (undecodable byte at offset "
-                                    f"{offset + e.start})") from None
+                    raise DataError(
+                        f"data.corpus: file {path!r} is not UTF-8 text (undecodable byte at offset {offset + e.start})"
+                    ) from None
                 offset += len(chunk)
             try:
                 dec.decode(b"", final=True)
             except UnicodeDecodeError:
-                raise DataError(f"data.corpus: file {path!r} is not UTF-8 text (truncated character at the end)") \
-                    from None
+                raise DataError(
+                    f"data.corpus: file {path!r} is not UTF-8 text (truncated character at the end)"
+                ) from None
         with open(path, encoding="utf-8") as f:
             if not f.read(1 << 20).strip() and os.path.getsize(path) <= (1 << 20):
                 raise DataError(f"data.corpus: file {path!r} holds only whitespace")
 
 
 # ---- all sources -------------------------------------------------------------------------------------------
+
 
 def load_corpus(spec: str, *, text_field: str = "text", streaming: bool = False):
     """A `datasets.Dataset` (or `IterableDataset` when streaming) with one column, "text".
@@ -147,8 +167,9 @@ def load_corpus(spec: str, *, text_field: str = "text", streaming: bool = False)
     try:
         ds = datasets.load_dataset(builder, data_files=files, split="train", streaming=streaming, **kwargs)
     except Exception as e:
-        raise DataError(f"data.corpus: could not read {', '.join(map(repr, files))} as {builder}: "
-                        f"{type(e).__name__}: {e}") from None
+        raise DataError(
+            f"data.corpus: could not read {', '.join(map(repr, files))} as {builder}: {type(e).__name__}: {e}"
+        ) from None
     ds = _select_text(ds, text_field, spec)
     if not streaming and len(ds) == 0:
         raise DataError(f"data.corpus: {', '.join(map(repr, files))} holds no documents")
@@ -158,8 +179,9 @@ def load_corpus(spec: str, *, text_field: str = "text", streaming: bool = False)
 def _select_text(ds, text_field: str, spec: str):
     columns = ds.column_names
     if columns is not None and text_field not in columns:
-        raise DataError(f"data.corpus={spec!r} has no field {text_field!r} (fields: {', '.join(columns)}); "
-                        "set data.text_field")
+        raise DataError(
+            f"data.corpus={spec!r} has no field {text_field!r} (fields: {', '.join(columns)}); set data.text_field"
+        )
     if text_field != "text":
         ds = ds.rename_column(text_field, "text")
     if columns is not None:

@@ -20,7 +20,8 @@ continues with exactly the batch that would have come next.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -32,11 +33,12 @@ Batch = dict  # str -> np.ndarray [B, T]
 
 def is_validation(doc_index, val_fraction: float):
     """Whether document `doc_index` (int or int array) is held out: a fixed multiplicative hash of the index."""
-    h = (np.asarray(doc_index, np.uint64) * np.uint64(2654435761) + np.uint64(12345)) % np.uint64(2 ** 32)
-    return (h.astype(np.float64) / 2 ** 32) < val_fraction
+    h = (np.asarray(doc_index, np.uint64) * np.uint64(2654435761) + np.uint64(12345)) % np.uint64(2**32)
+    return (h.astype(np.float64) / 2**32) < val_fraction
 
 
 # ---- tokenization ------------------------------------------------------------------------------------------
+
 
 def _encode_batch(tokenizer, texts: list[str]) -> list[list[int]]:
     if hasattr(tokenizer, "encode_batch"):
@@ -51,6 +53,7 @@ def tokenize(ds, tokenizer):
     Batched `Dataset.map`: for file-backed datasets the result is cached by `datasets` and reused by the next run
     with the same files and tokenizer.
     """
+
     def fn(batch):
         texts = [t for t in batch["text"] if t and t.strip()]
         return {"ids": _encode_batch(tokenizer, texts)}
@@ -84,6 +87,7 @@ def _flat_ids(ds) -> tuple[np.ndarray, np.ndarray]:
 
 
 # ---- packing -----------------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass
 class PackedRows:
@@ -125,11 +129,15 @@ def _weights(segments: np.ndarray) -> np.ndarray:
 
 def rows_to_batch(tokens: np.ndarray, segments: np.ndarray) -> Batch:
     """[B, T+1] rows -> a batch of inputs, next-token targets, segment ids and loss weights ([B, T] each)."""
-    return {"tokens": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": segments[:, :-1],
-            "weights": _weights(segments)}
+    return {
+        "tokens": tokens[:, :-1],
+        "targets": tokens[:, 1:],
+        "segment_ids": segments[:, :-1],
+        "weights": _weights(segments),
+    }
 
 
-def eval_batches(rows: PackedRows, batch_size: int, max_batches: Optional[int] = None) -> list[Batch]:
+def eval_batches(rows: PackedRows, batch_size: int, max_batches: int | None = None) -> list[Batch]:
     """Rows in order, in batches of batch_size; the last one padded with all-padding rows (weights 0), so every
     batch has the same shape and one compiled program evaluates them all."""
     out = []
@@ -137,7 +145,7 @@ def eval_batches(rows: PackedRows, batch_size: int, max_batches: Optional[int] =
     for start in range(0, n, batch_size):
         if max_batches is not None and len(out) >= max_batches:
             break
-        t, s = rows.tokens[start:start + batch_size], rows.segments[start:start + batch_size]
+        t, s = rows.tokens[start : start + batch_size], rows.segments[start : start + batch_size]
         if len(t) < batch_size:
             pad = batch_size - len(t)
             t = np.concatenate([t, np.zeros((pad, t.shape[1]), np.int32)])
@@ -147,6 +155,7 @@ def eval_batches(rows: PackedRows, batch_size: int, max_batches: Optional[int] =
 
 
 # ---- iterators ---------------------------------------------------------------------------------------------
+
 
 class TrainIterator:
     """Endless batches over packed rows, reshuffled every epoch by a permutation drawn from (seed, epoch).
@@ -161,7 +170,7 @@ class TrainIterator:
         self.epoch, self.index = 0, 0
         # Multi-host: the rows of each global batch this process feeds to its devices (`parallel.process_rows`);
         # every process walks the same permutation, so the state (and a resume) is the same on all of them.
-        self.local_rows: Optional[np.ndarray] = None
+        self.local_rows: np.ndarray | None = None
         self._perm = self._permutation(0)
 
     def _permutation(self, epoch: int) -> np.ndarray:
@@ -174,7 +183,7 @@ class TrainIterator:
         picked = []
         need = self.batch_size
         while need:
-            take = self._perm[self.index:self.index + need]
+            take = self._perm[self.index : self.index + need]
             picked.append(take)
             need -= len(take)
             self.index += len(take)
@@ -191,8 +200,10 @@ class TrainIterator:
 
     def restore(self, state: dict) -> None:
         if state.get("kind") != "rows" or state.get("num_rows") != len(self.rows):
-            raise DataError(f"the saved data-iterator state ({state}) does not fit this corpus "
-                            f"({len(self.rows)} rows): was data.corpus, data.tokenizer or train.seq_len changed?")
+            raise DataError(
+                f"the saved data-iterator state ({state}) does not fit this corpus "
+                f"({len(self.rows)} rows): was data.corpus, data.tokenizer or train.seq_len changed?"
+            )
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
         self._perm = self._permutation(self.epoch)
 
@@ -212,7 +223,7 @@ class StreamingTrainIterator:
         self.buf_docs: list[int] = []
         self._it = None
         self._pulled_this_epoch = False
-        self.local_rows: Optional[np.ndarray] = None  # as TrainIterator.local_rows
+        self.local_rows: np.ndarray | None = None  # as TrainIterator.local_rows
 
     def _docs(self):
         if self._it is None:
@@ -234,7 +245,7 @@ class StreamingTrainIterator:
             if not is_validation(i, self.val_fraction):
                 self._pulled_this_epoch = True
                 self.buf_tokens.extend(int(t) for t in ex["ids"])
-                self.buf_docs.extend([self.epoch * 2 ** 40 + i] * len(ex["ids"]))  # unique across epochs
+                self.buf_docs.extend([self.epoch * 2**40 + i] * len(ex["ids"]))  # unique across epochs
                 return True
 
     def __iter__(self):
@@ -251,7 +262,7 @@ class StreamingTrainIterator:
         toks = np.asarray(self.buf_tokens[:need], np.int32)
         docs = np.asarray(self.buf_docs[:need], np.int64)
         # Keep the last token: it is the next row's first input (stride T, rows of T+1).
-        self.buf_tokens, self.buf_docs = self.buf_tokens[B * T:], self.buf_docs[B * T:]
+        self.buf_tokens, self.buf_docs = self.buf_tokens[B * T :], self.buf_docs[B * T :]
         rows = np.arange(B) if self.local_rows is None else self.local_rows
         idx = rows[:, None] * T + np.arange(T + 1)[None, :]
         d = docs[idx]
@@ -261,14 +272,21 @@ class StreamingTrainIterator:
         return rows_to_batch(toks[idx], segments)
 
     def state(self) -> dict:
-        return {"kind": "stream", "epoch": self.epoch, "doc_index": self.doc_index,
-                "source": self.ds.state_dict() if self._it is not None else None,
-                "buf_tokens": list(self.buf_tokens), "buf_docs": list(self.buf_docs)}
+        return {
+            "kind": "stream",
+            "epoch": self.epoch,
+            "doc_index": self.doc_index,
+            "source": self.ds.state_dict() if self._it is not None else None,
+            "buf_tokens": list(self.buf_tokens),
+            "buf_docs": list(self.buf_docs),
+        }
 
     def restore(self, state: dict) -> None:
         if state.get("kind") != "stream":
-            raise DataError(f"the saved data-iterator state is of kind {state.get('kind')!r}, not a stream: "
-                            "was data.streaming changed?")
+            raise DataError(
+                f"the saved data-iterator state is of kind {state.get('kind')!r}, not a stream: "
+                "was data.streaming changed?"
+            )
         self.epoch, self.doc_index = int(state["epoch"]), int(state["doc_index"])
         self.buf_tokens, self.buf_docs = list(state["buf_tokens"]), list(state["buf_docs"])
         self._it = None
@@ -281,6 +299,7 @@ class StreamingTrainIterator:
 
 # ---- everything for a config -------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class DataSplits:
     """What training and evaluation need from the data section of a config."""
@@ -290,7 +309,7 @@ class DataSplits:
     val: list  # list[Batch]: the held-out documents, fixed shapes
     info: dict  # sizes for logs: documents, tokens
 
-    _token_bytes: Optional[np.ndarray] = None
+    _token_bytes: np.ndarray | None = None
 
     @property
     def token_bytes(self) -> np.ndarray:
@@ -300,8 +319,7 @@ class DataSplits:
         return self._token_bytes
 
 
-def build_data(config, tokenizer=None, *, corpus: Optional[str] = None, max_val_batches: Optional[int] = None
-               ) -> DataSplits:
+def build_data(config, tokenizer=None, *, corpus: str | None = None, max_val_batches: int | None = None) -> DataSplits:
     """Train iterator and validation batches for `config` (a causal_lm Config).
 
     tokenizer: reuse this one (e.g. restored from a checkpoint) instead of building `data.tokenizer`.
@@ -329,8 +347,10 @@ def build_data(config, tokenizer=None, *, corpus: Optional[str] = None, max_val_
     if ndocs == 0:
         raise DataError(f"data.corpus={spec!r} holds no non-blank documents")
     if ndocs < 2:
-        raise DataError(f"data.corpus={spec!r} holds a single document; a validation split needs at least two "
-                        "(.txt files are split into documents at blank lines)")
+        raise DataError(
+            f"data.corpus={spec!r} holds a single document; a validation split needs at least two "
+            "(.txt files are split into documents at blank lines)"
+        )
     val = is_validation(np.arange(ndocs), d.val_fraction)
     if not val.any():
         val[-1] = True
@@ -339,18 +359,28 @@ def build_data(config, tokenizer=None, *, corpus: Optional[str] = None, max_val_
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
 
     def gather(doc_ids):
-        parts = [flat[starts[i]:starts[i] + lengths[i]] for i in doc_ids]
+        parts = [flat[starts[i] : starts[i] + lengths[i]] for i in doc_ids]
         return np.concatenate(parts), lengths[doc_ids]
 
     train_ids = np.flatnonzero(~val)
     train_ids = train_ids[np.random.default_rng(t.seed).permutation(len(train_ids))]  # mix documents across rows
     train_rows = pack(*gather(train_ids), t.seq_len, tokenizer.pad_id)
     val_rows = pack(*gather(np.flatnonzero(val)), t.seq_len, tokenizer.pad_id)
-    info = {"documents": ndocs, "train_documents": int(len(train_ids)), "val_documents": int(val.sum()),
-            "train_tokens": train_rows.num_target_tokens, "val_tokens": val_rows.num_target_tokens,
-            "train_rows": len(train_rows), "val_rows": len(val_rows)}
-    return DataSplits(tokenizer, TrainIterator(train_rows, t.batch_size, t.seed),
-                      eval_batches(val_rows, t.batch_size, max_val_batches or None), info)
+    info = {
+        "documents": ndocs,
+        "train_documents": int(len(train_ids)),
+        "val_documents": int(val.sum()),
+        "train_tokens": train_rows.num_target_tokens,
+        "val_tokens": val_rows.num_target_tokens,
+        "train_rows": len(train_rows),
+        "val_rows": len(val_rows),
+    }
+    return DataSplits(
+        tokenizer,
+        TrainIterator(train_rows, t.batch_size, t.seed),
+        eval_batches(val_rows, t.batch_size, max_val_batches or None),
+        info,
+    )
 
 
 def _build_streaming(ds, config, tokenizer, spec: str, max_val_batches: int) -> DataSplits:
@@ -380,6 +410,5 @@ def _build_streaming(ds, config, tokenizer, spec: str, max_val_batches: int) -> 
         raise DataError(f"data.corpus={spec!r}: the stream yielded no validation documents")
     val_rows = pack(np.concatenate(flat), np.asarray(lens), t.seq_len, tokenizer.pad_id)
     train = StreamingTrainIterator(tok, t.batch_size, t.seq_len, d.val_fraction, d.max_documents)
-    info = {"documents": None, "val_documents": len(lens), "val_tokens": val_rows.num_target_tokens,
-            "streaming": True}
+    info = {"documents": None, "val_documents": len(lens), "val_tokens": val_rows.num_target_tokens, "streaming": True}
     return DataSplits(tokenizer, train, eval_batches(val_rows, t.batch_size, max_val_batches or None), info)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import codecs
 import json
 import os
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -81,7 +81,7 @@ class CharTokenizer:
         self.vocab_size = n + 4
 
     @classmethod
-    def from_texts(cls, texts: Iterable[str]) -> "CharTokenizer":
+    def from_texts(cls, texts: Iterable[str]) -> CharTokenizer:
         chars: set[str] = set()
         for t in texts:
             chars.update(t)
@@ -94,8 +94,7 @@ class CharTokenizer:
 
     def decode(self, ids) -> str:
         n = len(self.chars)
-        return "".join(self.chars[i] if i < n else "\ufffd" for i in map(int, ids)
-                       if 0 <= i < n or i == self.unk_id)
+        return "".join(self.chars[i] if i < n else "\ufffd" for i in map(int, ids) if 0 <= i < n or i == self.unk_id)
 
     def stream_decoder(self):
         return self.decode  # every id is a whole character: nothing to hold back
@@ -143,20 +142,24 @@ class HFTokenizer:
         self.eos_id = eos_id if eos_id is not None else find(_EOS_NAMES)
         if self.eos_id is None:
             raise TokenizerError(f"{source} has no end-of-text token (looked for {', '.join(_EOS_NAMES)})")
-        self.bos_id = bos_id if bos_id is not None else (find(_BOS_NAMES) if find(_BOS_NAMES) is not None
-                                                         else self.eos_id)
-        self.pad_id = pad_id if pad_id is not None else (find(_PAD_NAMES) if find(_PAD_NAMES) is not None
-                                                         else self.eos_id)
+        self.bos_id = (
+            bos_id if bos_id is not None else (find(_BOS_NAMES) if find(_BOS_NAMES) is not None else self.eos_id)
+        )
+        self.pad_id = (
+            pad_id if pad_id is not None else (find(_PAD_NAMES) if find(_PAD_NAMES) is not None else self.eos_id)
+        )
         self._special = {self.bos_id, self.eos_id, self.pad_id}
         self._byte_level = '"ByteLevel"' in json_text.replace(" ", "")
 
     @classmethod
-    def from_file(cls, path: str) -> "HFTokenizer":
+    def from_file(cls, path: str) -> HFTokenizer:
         if os.path.isdir(path):
             path = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(path):
-            raise TokenizerError(f"tokenizer file {path!r} does not exist (data.tokenizer takes 'byte', 'char' "
-                                 "or the path of a tokenizers tokenizer.json)")
+            raise TokenizerError(
+                f"tokenizer file {path!r} does not exist (data.tokenizer takes 'byte', 'char' "
+                "or the path of a tokenizers tokenizer.json)"
+            )
         try:
             with open(path, encoding="utf-8") as f:
                 text = f.read()
@@ -184,7 +187,7 @@ class HFTokenizer:
             text = self.decode(ids)
             if text.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next token
                 return ""
-            out = text[emitted[0]:]
+            out = text[emitted[0] :]
             emitted[0] = len(text)
             return out
 
@@ -209,8 +212,13 @@ class HFTokenizer:
         return out
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "json": self._json, "bos_id": self.bos_id, "eos_id": self.eos_id,
-                "pad_id": self.pad_id}
+        return {
+            "kind": self.kind,
+            "json": self._json,
+            "bos_id": self.bos_id,
+            "eos_id": self.eos_id,
+            "pad_id": self.pad_id,
+        }
 
     def save(self, directory: str) -> None:
         os.makedirs(directory, exist_ok=True)
@@ -275,5 +283,6 @@ def tokenizer_from_spec(spec: str, texts: Iterable[str] = ()):
         return CharTokenizer.from_texts(texts)
     if spec.endswith(".json") or os.path.exists(spec):
         return HFTokenizer.from_file(spec)
-    raise TokenizerError(f"data.tokenizer={spec!r}: expected 'byte', 'char' or the path of a tokenizer.json "
-                         "(no such file)")
+    raise TokenizerError(
+        f"data.tokenizer={spec!r}: expected 'byte', 'char' or the path of a tokenizer.json (no such file)"
+    )

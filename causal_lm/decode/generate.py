@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import jax
-from jax.experimental import io_callback
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import io_callback
 
 from causal_lm.decode.sampling import sample
 from causal_lm.model.kv_cache import init_cache, require_causal, write_rows
@@ -42,7 +42,7 @@ class GenerateResult:
     kv_computed: int  # K/V vectors computed for real tokens, per layer and KV head (all rows)
     kv_computed_per_row: list
     steps: int  # decode steps the loop ran (<= max_new_tokens)
-    logits: Optional[np.ndarray] = None  # [B, max_new_tokens, V] float32 when return_logits=True
+    logits: np.ndarray | None = None  # [B, max_new_tokens, V] float32 when return_logits=True
 
 
 def bucket_length(n: int, minimum: int = 8) -> int:
@@ -68,10 +68,40 @@ def _shard_cache(cache, mesh):
     return jax.lax.with_sharding_constraint(cache, parallel.cache_shardings(cache, mesh))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "prompt_len", "chunk", "max_new", "use_cache",
-                                             "return_logits", "cache_dtype", "stream", "mesh"))
-def _generate_jit(state, tokens, lengths, key, temperature, top_k, top_p, stop_ids, *, graphdef, prompt_len,
-                  chunk, max_new, use_cache, return_logits, cache_dtype, stream, mesh=None):
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "graphdef",
+        "prompt_len",
+        "chunk",
+        "max_new",
+        "use_cache",
+        "return_logits",
+        "cache_dtype",
+        "stream",
+        "mesh",
+    ),
+)
+def _generate_jit(
+    state,
+    tokens,
+    lengths,
+    key,
+    temperature,
+    top_k,
+    top_p,
+    stop_ids,
+    *,
+    graphdef,
+    prompt_len,
+    chunk,
+    max_new,
+    use_cache,
+    return_logits,
+    cache_dtype,
+    stream,
+    mesh=None,
+):
     model = nnx.merge(graphdef, state)
     c = model.config
     B = tokens.shape[0]
@@ -101,8 +131,9 @@ def _generate_jit(state, tokens, lengths, key, temperature, top_k, top_p, stop_i
         step_state = cache
 
         def advance(step_state, tok, active):
-            logits, cache = model(tok[:, None], segment_ids=active[:, None].astype(jnp.int32), cache=step_state,
-                                  layers=layers)
+            logits, cache = model(
+                tok[:, None], segment_ids=active[:, None].astype(jnp.int32), cache=step_state, layers=layers
+            )
             return logits[:, 0], _shard_cache(cache, mesh), active.astype(jnp.int32)
     else:
         buf = jnp.zeros((B, total), jnp.int32).at[:, :prompt_len].set(tokens)
@@ -186,11 +217,23 @@ def _stream_callback(step, toks):
         fn(int(step), np.asarray(toks))
 
 
-def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, use_cache: bool = True,
-             temperature: float = 0.0, top_k: Optional[int] = None, top_p: Optional[float] = None, seed: int = 0,
-             chunk_size: Optional[int] = None, stop_tokens: Sequence[int] = (), return_logits: bool = False,
-             cache_dtype: Optional[str] = None, on_step: Optional[Callable[[int, np.ndarray], None]] = None,
-             mesh=None) -> GenerateResult:
+def generate(
+    model,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    use_cache: bool = True,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    chunk_size: int | None = None,
+    stop_tokens: Sequence[int] = (),
+    return_logits: bool = False,
+    cache_dtype: str | None = None,
+    on_step: Callable[[int, np.ndarray], None] | None = None,
+    mesh=None,
+) -> GenerateResult:
     """Generate up to `max_new_tokens` for each prompt (lists of token ids, any lengths) on the device.
 
     chunk_size: prefill the prompts in chunks of this many tokens (default: one chunk). on_step(step, tokens[B])
@@ -218,8 +261,10 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, us
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise GenerateError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if max(lens) + max_new_tokens > c.max_seq_len:
-        raise GenerateError(f"prompt length {max(lens)} + max_new_tokens {max_new_tokens} = "
-                            f"{max(lens) + max_new_tokens} exceeds model.max_seq_len={c.max_seq_len}")
+        raise GenerateError(
+            f"prompt length {max(lens)} + max_new_tokens {max_new_tokens} = "
+            f"{max(lens) + max_new_tokens} exceeds model.max_seq_len={c.max_seq_len}"
+        )
     if temperature < 0:
         raise GenerateError(f"temperature must be >= 0, got {temperature}")
     if top_k is not None and top_k < 1:
@@ -236,13 +281,20 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, us
     prompt_len = -(-prompt_len // chunk) * chunk  # whole chunks
     tokens = np.zeros((len(prompts), prompt_len), np.int32)
     for r, p in enumerate(prompts):
-        tokens[r, :len(p)] = p
+        tokens[r, : len(p)] = p
     stop = np.full((max(8, len(stop_tokens)),), -2, np.int32)
-    stop[:len(stop_tokens)] = list(stop_tokens)
+    stop[: len(stop_tokens)] = list(stop_tokens)
 
     graphdef, state = nnx.split(model)
-    args = (jnp.asarray(tokens), jnp.asarray(lens, jnp.int32), jax.random.key(seed), jnp.float32(temperature),
-            jnp.int32(top_k or 0), jnp.float32(1.0 if top_p is None else top_p), jnp.asarray(stop))
+    args = (
+        jnp.asarray(tokens),
+        jnp.asarray(lens, jnp.int32),
+        jax.random.key(seed),
+        jnp.float32(temperature),
+        jnp.int32(top_k or 0),
+        jnp.float32(1.0 if top_p is None else top_p),
+        jnp.asarray(stop),
+    )
     if mesh is None:
         from causal_lm import parallel
 
@@ -256,14 +308,24 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, us
         rows = parallel.shard_global_batch({"tokens": tokens, "lengths": np.asarray(lens, np.int32)}, mesh)
         key = _replicated_key(mesh)(parallel.replicate(np.uint32(seed), mesh))
         args = (rows["tokens"], rows["lengths"], key) + tuple(
-            parallel.replicate(a, mesh) for a in (np.float32(temperature), np.int32(top_k or 0),
-                                                  np.float32(1.0 if top_p is None else top_p), stop))
+            parallel.replicate(a, mesh)
+            for a in (np.float32(temperature), np.int32(top_k or 0), np.float32(1.0 if top_p is None else top_p), stop)
+        )
     _STREAM[0] = on_step
     try:
         out, out_logits, kv, steps = _generate_jit(
-            state, *args, graphdef=graphdef, prompt_len=prompt_len, chunk=chunk, max_new=int(max_new_tokens),
-            use_cache=use_cache, return_logits=return_logits, cache_dtype=cache_dtype, stream=on_step is not None,
-            mesh=mesh)
+            state,
+            *args,
+            graphdef=graphdef,
+            prompt_len=prompt_len,
+            chunk=chunk,
+            max_new=int(max_new_tokens),
+            use_cache=use_cache,
+            return_logits=return_logits,
+            cache_dtype=cache_dtype,
+            stream=on_step is not None,
+            mesh=mesh,
+        )
         out = np.asarray(out)
         if on_step is not None:
             jax.effects_barrier()
@@ -272,5 +334,10 @@ def generate(model, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, us
     steps = int(steps)
     rows = [[int(t) for t in row if t >= 0] for row in out]
     kv = [int(x) for x in np.asarray(kv)]
-    return GenerateResult(tokens=rows, kv_computed=sum(kv), kv_computed_per_row=kv, steps=steps,
-                          logits=np.asarray(out_logits)[:, :steps] if return_logits else None)
+    return GenerateResult(
+        tokens=rows,
+        kv_computed=sum(kv),
+        kv_computed_per_row=kv,
+        steps=steps,
+        logits=np.asarray(out_logits)[:, :steps] if return_logits else None,
+    )

@@ -24,7 +24,7 @@ import dataclasses
 import functools
 import json
 import os
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -88,15 +88,26 @@ def first_token_shares(model, batches: Sequence[dict], min_position: int) -> dic
         count += int(queries.sum())
         uniform += float((1.0 / (pos[queries] + 1.0)).sum())
     if count == 0:
-        raise ValueError(f"no held-out query sits at document position >= {min_position}; lower min_position "
-                         "or use longer sequences")
+        raise ValueError(
+            f"no held-out query sits at document position >= {min_position}; lower min_position or use longer sequences"
+        )
     has_sink = model.config.attn_sink
-    return {"first_token": first_sum / count, "sink": sink_sum / count if has_sink else None, "queries": count,
-            "uniform_baseline": uniform / count}
+    return {
+        "first_token": first_sum / count,
+        "sink": sink_sum / count if has_sink else None,
+        "queries": count,
+        "uniform_baseline": uniform / count,
+    }
 
 
-def run(config: Optional[Config] = None, out_dir: str = "runs/attention_sink", *, min_position: int = 0,
-        eval_rows: int = 32, variants: Sequence[str] = tuple(VARIANTS)) -> dict:
+def run(
+    config: Config | None = None,
+    out_dir: str = "runs/attention_sink",
+    *,
+    min_position: int = 0,
+    eval_rows: int = 32,
+    variants: Sequence[str] = tuple(VARIANTS),
+) -> dict:
     """Train each variant in out_dir/<variant>, measure first-token shares on held-out rows, write the report.
 
     min_position: 0 picks seq_len // 8 (16 for 128-token rows).
@@ -150,7 +161,7 @@ def plot(results: dict, path: str) -> str:
     names = list(results["variants"])
     fig, axes = plt.subplots(1, len(names) + 1, figsize=(4.2 * (len(names) + 1), 3.8), constrained_layout=True)
     im = None
-    for ax, name in zip(axes, names):
+    for ax, name in zip(axes, names, strict=False):  # one more axis: the colour bar
         a = np.asarray(results["variants"][name]["first_token_share"])  # [L, N]
         im = ax.imshow(a, vmin=0.0, vmax=1.0, cmap="magma", aspect="auto")
         ax.set_title(f"{name}: mean {a.mean():.1%}")
@@ -198,29 +209,42 @@ def report(results: dict) -> str:
     for name, r in v.items():
         loss = "-" if r["val_loss"] is None else f"{r['val_loss']:.4f}"
         sink = "-" if r["mean_sink_share"] is None else f"{r['mean_sink_share']:.1%}"
-        lines.append(f"| {name} | {loss} | {r['mean_first_token_share']:.1%} | {r['max_first_token_share']:.1%} "
-                     f"| {r['heads_over_half']} | {sink} |")
+        lines.append(
+            f"| {name} | {loss} | {r['mean_first_token_share']:.1%} | {r['max_first_token_share']:.1%} "
+            f"| {r['heads_over_half']} | {sink} |"
+        )
     lines += ["", "![first-token share per layer and head](attention_sink.png)", ""]
     if "softmax" in v:
         base = v["softmax"]["mean_first_token_share"]
         for name in ("sink", "gate"):
             if name in v:
                 d = v[name]["mean_first_token_share"] - base
-                lines.append(f"- {name} vs plain softmax: mean first-token share {d:+.1%} "
-                             f"({v[name]['mean_first_token_share']:.1%} vs {base:.1%}).")
+                lines.append(
+                    f"- {name} vs plain softmax: mean first-token share {d:+.1%} "
+                    f"({v[name]['mean_first_token_share']:.1%} vs {base:.1%})."
+                )
         lines.append("")
-    lines += ["One run per variant, one seed: differences of a few points are within what a different seed "
-              "could give. The sink logit takes mass out of the softmax (\"attend to nothing\"), which plain "
-              "softmax can only imitate by parking attention on a token such as the first; the gate lets a head "
-              "contribute nothing after attending. Published evidence (Xiao et al. 2023; Gated Attention 2025) "
-              "is that these exits reduce the sink, not that they remove it.", ""]
+    lines += [
+        "One run per variant, one seed: differences of a few points are within what a different seed "
+        'could give. The sink logit takes mass out of the softmax ("attend to nothing"), which plain '
+        "softmax can only imitate by parking attention on a token such as the first; the gate lets a head "
+        "contribute nothing after attending. Published evidence (Xiao et al. 2023; Gated Attention 2025) "
+        "is that these exits reduce the sink, not that they remove it.",
+        "",
+    ]
     for name, r in v.items():
         a = np.asarray(r["first_token_share"])
-        lines += [f"## {name}: first-token share per layer (rows) and head (columns)", "",
-                  "| layer | " + " | ".join(f"h{j}" for j in range(a.shape[1])) + " |",
-                  "|---|" + "---|" * a.shape[1]]
+        lines += [
+            f"## {name}: first-token share per layer (rows) and head (columns)",
+            "",
+            "| layer | " + " | ".join(f"h{j}" for j in range(a.shape[1])) + " |",
+            "|---|" + "---|" * a.shape[1],
+        ]
         lines += [f"| {i} | " + " | ".join(f"{x:.1%}" for x in row) + " |" for i, row in enumerate(a)]
         lines.append("")
-    lines += ["Numbers: results.json (first_token_share[layer][head], sink_share for the sink model). "
-              "Training workdirs: one directory per variant beside this report.", ""]
+    lines += [
+        "Numbers: results.json (first_token_share[layer][head], sink_share for the sink model). "
+        "Training workdirs: one directory per variant beside this report.",
+        "",
+    ]
     return "\n".join(lines)

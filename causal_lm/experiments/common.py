@@ -6,8 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import os
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -19,8 +18,7 @@ from causal_lm.config import Config, load_config
 def base_config(overrides: Sequence[str] = ()) -> Config:
     """The experiments' default model: the tiny preset's shape (2 layers, d_model 64, byte-level) on all of the
     built-in corpus, so one training run takes well under a minute on a laptop CPU."""
-    return load_config("tiny", ["data.max_documents=0", "train.progress=false", "train.sample_tokens=0",
-                                *overrides])
+    return load_config("tiny", ["data.max_documents=0", "train.progress=false", "train.sample_tokens=0", *overrides])
 
 
 def with_model(config: Config, **changes) -> Config:
@@ -62,9 +60,15 @@ def _hidden(state, tokens, segment_ids, *, graphdef):
 def hidden_states(model, tokens, segment_ids=None) -> np.ndarray:
     """Jitted `model.hidden_states`: float32 [L+1, B, T, D]."""
     graphdef, state = nnx.split(model)
-    return np.asarray(_hidden(state, np.asarray(tokens, np.int32),
-                              None if segment_ids is None else np.asarray(segment_ids, np.int32),
-                              graphdef=graphdef), np.float32)
+    return np.asarray(
+        _hidden(
+            state,
+            np.asarray(tokens, np.int32),
+            None if segment_ids is None else np.asarray(segment_ids, np.int32),
+            graphdef=graphdef,
+        ),
+        np.float32,
+    )
 
 
 def write_json(path: str, obj) -> None:
@@ -93,13 +97,25 @@ def pyplot():
     return plt
 
 
-_CJK_NAMES = ("Noto Sans CJK SC", "Noto Sans SC", "Noto Sans CJK JP", "Source Han Sans SC", "WenQuanYi Micro Hei",
-              "WenQuanYi Zen Hei", "SimHei", "Microsoft YaHei", "PingFang SC", "Hiragino Sans GB", "Heiti SC",
-              "AR PL UMing CN", "Droid Sans Fallback")
+_CJK_NAMES = (
+    "Noto Sans CJK SC",
+    "Noto Sans SC",
+    "Noto Sans CJK JP",
+    "Source Han Sans SC",
+    "WenQuanYi Micro Hei",
+    "WenQuanYi Zen Hei",
+    "SimHei",
+    "Microsoft YaHei",
+    "PingFang SC",
+    "Hiragino Sans GB",
+    "Heiti SC",
+    "AR PL UMing CN",
+    "Droid Sans Fallback",
+)
 
 
 @functools.lru_cache(maxsize=1)
-def _cjk_font() -> Optional[str]:
+def _cjk_font() -> str | None:
     from matplotlib import font_manager
 
     names = {f.name for f in font_manager.fontManager.ttflist}

@@ -15,11 +15,18 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from causal_lm.config import Config, config_to_dict
-from causal_lm.experiments.common import (base_config, held_out_batches, pyplot, train_variant, with_model,
-                                          write_json, write_text)
+from causal_lm.experiments.common import (
+    base_config,
+    held_out_batches,
+    pyplot,
+    train_variant,
+    with_model,
+    write_json,
+    write_text,
+)
 
 NAME = "mask-ablation"
 HELP = "train with and without the causal mask; evaluate the no-mask weights with the mask put back"
@@ -32,8 +39,14 @@ def default_config() -> Config:
     return base_config(["train.steps=600", "train.eval_every=100", "train.checkpoint_every=600"])
 
 
-def run(config: Optional[Config] = None, out_dir: str = "runs/mask_ablation", *, prompts: Sequence[str] = PROMPTS,
-        sample_tokens: int = 48, eval_rows: int = 64) -> dict:
+def run(
+    config: Config | None = None,
+    out_dir: str = "runs/mask_ablation",
+    *,
+    prompts: Sequence[str] = PROMPTS,
+    sample_tokens: int = 48,
+    eval_rows: int = 64,
+) -> dict:
     """Train both variants in out_dir/<variant>, evaluate them on the same held-out rows, sample, write the report."""
     from causal_lm.decode import generate
     from causal_lm.train import evaluate, load_for_inference, read_metrics
@@ -50,10 +63,15 @@ def run(config: Optional[Config] = None, out_dir: str = "runs/mask_ablation", *,
             results["ln_vocab"] = math.log(trained.model.vocab_size)
             results["vocab_size"] = trained.model.vocab_size
         history = [r for r in read_metrics(workdir) if "loss" in r]
-        r = {"final_train_loss": history[-1]["loss"], "val_loss": evaluate(model, val)["loss"],
-             "train_curve": {"step": [h["step"] for h in history], "loss": [h["loss"] for h in history]},
-             "val_curve": {"step": [h["step"] for h in history if "val_loss" in h],
-                           "loss": [h["val_loss"] for h in history if "val_loss" in h]}}
+        r = {
+            "final_train_loss": history[-1]["loss"],
+            "val_loss": evaluate(model, val)["loss"],
+            "train_curve": {"step": [h["step"] for h in history], "loss": [h["loss"] for h in history]},
+            "val_curve": {
+                "step": [h["step"] for h in history if "val_loss" in h],
+                "loss": [h["val_loss"] for h in history if "val_loss" in h],
+            },
+        }
         # The same weights with the other mask: the no-mask model as it would run at generation time, and, for
         # contrast, the causal model allowed to see the future it never learned to use.
         other = "none" if mask == "causal" else "causal"
@@ -64,9 +82,15 @@ def run(config: Optional[Config] = None, out_dir: str = "runs/mask_ablation", *,
         samples = []
         for i, p in enumerate(prompts):
             ids = tokenizer.encode(p) or [tokenizer.bos_id]
-            out = generate(model, [ids], max_new_tokens=sample_tokens, use_cache=mask == "causal",
-                           temperature=trained.train.sample_temperature, seed=trained.train.seed + i,
-                           stop_tokens=[tokenizer.eos_id])
+            out = generate(
+                model,
+                [ids],
+                max_new_tokens=sample_tokens,
+                use_cache=mask == "causal",
+                temperature=trained.train.sample_temperature,
+                seed=trained.train.seed + i,
+                stop_tokens=[tokenizer.eos_id],
+            )
             samples.append(p + tokenizer.decode(out.tokens[0]))
         r["samples"] = samples
         results[name] = r
@@ -80,22 +104,30 @@ def run(config: Optional[Config] = None, out_dir: str = "runs/mask_ablation", *,
 
 def summary(results: dict) -> str:
     c, n = results["causal"], results["no_mask"]
-    return (f"train loss: causal {c['final_train_loss']:.3f}, no mask {n['final_train_loss']:.3f}; "
-            f"val loss: causal {c['val_loss']:.3f}, no mask {n['val_loss']:.3f}, no mask with the causal mask put "
-            f"back {n['val_loss_with_causal_mask']:.3f} (ln vocab = {results['ln_vocab']:.3f})")
+    return (
+        f"train loss: causal {c['final_train_loss']:.3f}, no mask {n['final_train_loss']:.3f}; "
+        f"val loss: causal {c['val_loss']:.3f}, no mask {n['val_loss']:.3f}, no mask with the causal mask put "
+        f"back {n['val_loss_with_causal_mask']:.3f} (ln vocab = {results['ln_vocab']:.3f})"
+    )
 
 
 def plot(results: dict, path: str) -> str:
     plt = pyplot()
     c, n, lnv = results["causal"], results["no_mask"], results["ln_vocab"]
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.4), gridspec_kw={"width_ratios": [1.6, 1]},
-                                 constrained_layout=True)
+    fig, (ax, bx) = plt.subplots(
+        1, 2, figsize=(12, 4.4), gridspec_kw={"width_ratios": [1.6, 1]}, constrained_layout=True
+    )
     for r, label, color in ((c, "causal mask", "C0"), (n, "no mask", "C3")):
         ax.plot(r["train_curve"]["step"], r["train_curve"]["loss"], color=color, label=f"{label}: train")
         ax.plot(r["val_curve"]["step"], r["val_curve"]["loss"], "o--", color=color, ms=4, label=f"{label}: val")
     ax.axhline(lnv, color="gray", ls=":", label=f"ln(vocab) = {lnv:.2f} (uniform guess)")
-    ax.axhline(n["val_loss_with_causal_mask"], color="C3", ls="-.", lw=1.2,
-               label=f"no-mask weights, causal mask put back: {n['val_loss_with_causal_mask']:.2f}")
+    ax.axhline(
+        n["val_loss_with_causal_mask"],
+        color="C3",
+        ls="-.",
+        lw=1.2,
+        label=f"no-mask weights, causal mask put back: {n['val_loss_with_causal_mask']:.2f}",
+    )
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     ax.set_title("Training with and without the causal mask")
@@ -105,7 +137,7 @@ def plot(results: dict, path: str) -> str:
     vals = [c["val_loss"], n["val_loss"], n["val_loss_with_causal_mask"]]
     bars = bx.bar(names, vals, color=["C0", "C3", "C3"], alpha=0.85)
     bars[2].set_hatch("//")
-    for b, v in zip(bars, vals):
+    for b, v in zip(bars, vals, strict=True):
         bx.text(b.get_x() + b.get_width() / 2, v, f"{v:.2f}", ha="center", va="bottom")
     bx.axhline(lnv, color="gray", ls=":")
     bx.text(-0.4, lnv, "ln(vocab)", ha="left", va="bottom", color="gray", fontsize=8)
@@ -123,7 +155,7 @@ def report(results: dict) -> str:
     lines = [
         "# Training with and without the causal mask",
         "",
-        f"Two models, identical except for `model.attention_mask` (\"causal\" vs \"none\"): {m['num_layers']} layers, "
+        f'Two models, identical except for `model.attention_mask` ("causal" vs "none"): {m["num_layers"]} layers, '
         f"d_model {m['d_model']}, vocabulary {results['vocab_size']}, {t['steps']} steps of {t['batch_size']}x"
         f"{t['seq_len']} tokens from `{results['config']['data']['corpus']}`, seed {t['seed']}. Validation losses "
         f"are on the same {results['val_tokens']:,} held-out target tokens.",
@@ -163,6 +195,9 @@ def report(results: dict) -> str:
         lines.append("")
         lines += ["    " + repr(s) for s in results["samples"][name]]
         lines.append("")
-    lines += ["Numbers: results.json; training workdirs: causal/ and no_mask/ beside this report "
-              "(`causal-lm generate --workdir DIR/causal`, and `--no-cache` for DIR/no_mask).", ""]
+    lines += [
+        "Numbers: results.json; training workdirs: causal/ and no_mask/ beside this report "
+        "(`causal-lm generate --workdir DIR/causal`, and `--no-cache` for DIR/no_mask).",
+        "",
+    ]
     return "\n".join(lines)

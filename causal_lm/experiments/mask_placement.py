@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -28,8 +27,15 @@ import numpy as np
 from flax import nnx
 
 from causal_lm.config import Config, config_to_dict
-from causal_lm.experiments.common import (base_config, pyplot, token_labels, train_variant, with_model, write_json,
-                                          write_text)
+from causal_lm.experiments.common import (
+    base_config,
+    pyplot,
+    token_labels,
+    train_variant,
+    with_model,
+    write_json,
+    write_text,
+)
 
 NAME = "mask-placement"
 HELP = "scores / mask / S+M / weights of one head, mask before vs zeroing after softmax, and a changed future token"
@@ -80,9 +86,14 @@ def layer_views(model, tokens, layer: int) -> dict:
     # attend's weights come from masked_softmax over the same scores; check the views are that computation
     assert np.allclose(np.asarray(masked_softmax(scores, causal, sink=sink)).reshape(w_b.shape), w_b, atol=1e-6)
     N = c.num_heads
-    return {"scores": np.asarray(scores).reshape(N, T, T), "causal": np.asarray(causal[0]),
-            "weights_before": np.asarray(w_b[0]), "weights_after": np.asarray(w_a[0]),
-            "out_before": np.asarray(out_b[0], np.float32), "out_after": np.asarray(out_a[0], np.float32)}
+    return {
+        "scores": np.asarray(scores).reshape(N, T, T),
+        "causal": np.asarray(causal[0]),
+        "weights_before": np.asarray(w_b[0]),
+        "weights_after": np.asarray(w_a[0]),
+        "out_before": np.asarray(out_b[0], np.float32),
+        "out_after": np.asarray(out_a[0], np.float32),
+    }
 
 
 def _placement_model(model, mask: str):
@@ -95,9 +106,16 @@ def _placement_model(model, mask: str):
     return nnx.merge(graphdef, state)
 
 
-def run(config: Optional[Config] = None, out_dir: str = "runs/mask_placement", *, prompt: str = PROMPT,
-        alt_prompt: str = ALT_PROMPT, layer: int = 0, head: Optional[int] = None,
-        workdir: Optional[str] = None) -> dict:
+def run(
+    config: Config | None = None,
+    out_dir: str = "runs/mask_placement",
+    *,
+    prompt: str = PROMPT,
+    alt_prompt: str = ALT_PROMPT,
+    layer: int = 0,
+    head: int | None = None,
+    workdir: str | None = None,
+) -> dict:
     """Train `config` with the causal mask in out_dir/model (or use `workdir`'s model), draw the views of
     (layer, head) for `prompt`, then change the future: `alt_prompt` must tokenize to the same length.
 
@@ -119,7 +137,7 @@ def run(config: Optional[Config] = None, out_dir: str = "runs/mask_placement", *
     ids, alt = tokenizer.encode(prompt), tokenizer.encode(alt_prompt)
     if len(ids) < 2 or len(ids) != len(alt):
         raise ValueError(f"prompt and alt_prompt must tokenize to the same length >= 2, got {len(ids)} and {len(alt)}")
-    changed = [i for i, (a, b) in enumerate(zip(ids, alt)) if a != b]
+    changed = [i for i, (a, b) in enumerate(zip(ids, alt, strict=True)) if a != b]
     if not changed:
         raise ValueError(f"alt_prompt {alt_prompt!r} tokenizes the same as prompt {prompt!r}: nothing changes")
     first = changed[0]
@@ -161,14 +179,31 @@ def run(config: Optional[Config] = None, out_dir: str = "runs/mask_placement", *
     labels, legend = token_labels(tokenizer, ids)
     alt_labels, _ = token_labels(tokenizer, alt)
     results = {
-        "experiment": NAME, "config": config_to_dict(trained), "workdir": workdir,
-        "prompt": prompt, "alt_prompt": alt_prompt, "tokens": list(map(int, ids)), "alt_tokens": list(map(int, alt)),
-        "labels": labels, "legend": legend, "alt_labels": alt_labels, "changed_positions": changed,
-        "first_changed": first, "layer": layer, "head": head, "future_share_per_head": future_share.tolist(),
-        "row_sums": {"before": wb.sum(-1).tolist(), "after": wa.sum(-1).tolist(),
-                     "after_changed_future": views_alt["weights_after"][head].sum(-1).tolist()},
-        "views": {"scores": views["scores"][head].tolist(), "weights_before": wb.tolist(),
-                  "weights_after": wa.tolist()},
+        "experiment": NAME,
+        "config": config_to_dict(trained),
+        "workdir": workdir,
+        "prompt": prompt,
+        "alt_prompt": alt_prompt,
+        "tokens": list(map(int, ids)),
+        "alt_tokens": list(map(int, alt)),
+        "labels": labels,
+        "legend": legend,
+        "alt_labels": alt_labels,
+        "changed_positions": changed,
+        "first_changed": first,
+        "layer": layer,
+        "head": head,
+        "future_share_per_head": future_share.tolist(),
+        "row_sums": {
+            "before": wb.sum(-1).tolist(),
+            "after": wa.sum(-1).tolist(),
+            "after_changed_future": views_alt["weights_after"][head].sum(-1).tolist(),
+        },
+        "views": {
+            "scores": views["scores"][head].tolist(),
+            "weights_before": wb.tolist(),
+            "weights_after": wa.tolist(),
+        },
         "changes": {k: {kk: vv for kk, vv in v.items() if not kk.startswith("_")} for k, v in changes.items()},
     }
     write_json(os.path.join(out_dir, "results.json"), results)
@@ -180,10 +215,12 @@ def run(config: Optional[Config] = None, out_dir: str = "runs/mask_placement", *
 def summary(results: dict) -> str:
     rb, ra = np.asarray(results["row_sums"]["before"]), np.asarray(results["row_sums"]["after"])
     cb, ca = results["changes"]["before"], results["changes"]["after"]
-    return (f"row sums: before softmax {rb.min():.4f}..{rb.max():.4f}, after softmax {ra[:-1].min():.3f}.."
-            f"{ra[:-1].max():.5f} (last row {ra[-1]:.3f}); changing a future token moves past attention rows by "
-            f"{cb['max_weights_change_past']:.1e} (before) vs {ca['max_weights_change_past']:.1e} (after), past "
-            f"logits by {cb['max_logits_change_past']:.1e} vs {ca['max_logits_change_past']:.1e}")
+    return (
+        f"row sums: before softmax {rb.min():.4f}..{rb.max():.4f}, after softmax {ra[:-1].min():.3f}.."
+        f"{ra[:-1].max():.5f} (last row {ra[-1]:.3f}); changing a future token moves past attention rows by "
+        f"{cb['max_weights_change_past']:.1e} (before) vs {ca['max_weights_change_past']:.1e} (after), past "
+        f"logits by {cb['max_logits_change_past']:.1e} vs {ca['max_logits_change_past']:.1e}"
+    )
 
 
 def plot(results: dict, views: dict, changes: dict, path: str) -> str:
@@ -215,8 +252,14 @@ def plot(results: dict, views: dict, changes: dict, path: str) -> str:
         return im
 
     def mask_panel(ax, title, on, off):
-        heat(ax, np.where(vis, 1.0, 0.0), title, mcolors.ListedColormap(["#3b3b3b", "#ffffff"]),
-             mcolors.Normalize(0, 1), colorbar=False)
+        heat(
+            ax,
+            np.where(vis, 1.0, 0.0),
+            title,
+            mcolors.ListedColormap(["#3b3b3b", "#ffffff"]),
+            mcolors.Normalize(0, 1),
+            colorbar=False,
+        )
         if T <= 12:
             for (i, j), v in np.ndenumerate(vis):
                 ax.text(j, i, on if v else off, ha="center", va="center", fontsize=8, color="k" if v else "w")
@@ -234,10 +277,24 @@ def plot(results: dict, views: dict, changes: dict, path: str) -> str:
     heat(axes[1, 1], soft_full, "softmax(S): future keys take a share", "magma", mcolors.Normalize(0, 1))
     mask_panel(axes[1, 2], "② mask M, multiplied after the softmax", "×1", "×0")
     heat(axes[1, 3], wa, "④ A = softmax(S) ⊙ M: rows sum to < 1", "magma", mcolors.Normalize(0, 1))
-    axes[0, 0].annotate("mask before softmax", (-0.45, 0.5), xycoords="axes fraction", rotation=90, va="center",
-                        fontsize=13, fontweight="bold")
-    axes[1, 0].annotate("zero after softmax", (-0.45, 0.5), xycoords="axes fraction", rotation=90, va="center",
-                        fontsize=13, fontweight="bold")
+    axes[0, 0].annotate(
+        "mask before softmax",
+        (-0.45, 0.5),
+        xycoords="axes fraction",
+        rotation=90,
+        va="center",
+        fontsize=13,
+        fontweight="bold",
+    )
+    axes[1, 0].annotate(
+        "zero after softmax",
+        (-0.45, 0.5),
+        xycoords="axes fraction",
+        rotation=90,
+        va="center",
+        fontsize=13,
+        fontweight="bold",
+    )
 
     ax = axes[2, 0]
     x = np.arange(T)
@@ -254,11 +311,17 @@ def plot(results: dict, views: dict, changes: dict, path: str) -> str:
     dmax = max(float(changes["after"]["_dw"].max()), 1e-5)
     for ax, name in ((axes[2, 1], "before"), (axes[2, 2], "after")):
         dw = changes[name]["_dw"]
-        heat(ax, np.where(dw > 0, dw, np.nan), f"|ΔA| with the future changed ({name})",
-             "Reds", mcolors.LogNorm(1e-6, dmax, clip=True), bad=True, bad_color="white")
+        heat(
+            ax,
+            np.where(dw > 0, dw, np.nan),
+            f"|ΔA| with the future changed ({name})",
+            "Reds",
+            mcolors.LogNorm(1e-6, dmax, clip=True),
+            bad=True,
+            bad_color="white",
+        )
         ax.axhline(first - 0.5, color="C0", lw=1)
-        ax.text(T - 1, first - 1, "past rows ↑ (white = exactly 0)", ha="right", va="bottom", fontsize=7,
-                color="C0")
+        ax.text(T - 1, first - 1, "past rows ↑ (white = exactly 0)", ha="right", va="bottom", fontsize=7, color="C0")
     ax = axes[2, 3]
     floor = 1e-12
     for name, color, marker in (("before", "C0", "o"), ("after", "C3", "s")):
@@ -272,10 +335,13 @@ def plot(results: dict, views: dict, changes: dict, path: str) -> str:
     ax.set_title("max |Δ logits| per position, whole model", fontsize=10)
     ax.set_xlabel("position (left of the dotted line: before the change)")
     ax.legend(fontsize=8)
-    fig.suptitle(f"Layer {results['layer']}, head {h}: \"{results['prompt']}\" (changed: "
-                 f"\"{results['alt_prompt']}\")" if all(c.isascii() for c in results["prompt"]) or not
-                 results["legend"] else f"Layer {results['layer']}, head {h}: the seeds' sentence, "
-                 f"{T} tokens; the changed token starts at position {first}", fontsize=13)
+    fig.suptitle(
+        f'Layer {results["layer"]}, head {h}: "{results["prompt"]}" (changed: "{results["alt_prompt"]}")'
+        if all(c.isascii() for c in results["prompt"]) or not results["legend"]
+        else f"Layer {results['layer']}, head {h}: the seeds' sentence, "
+        f"{T} tokens; the changed token starts at position {first}",
+        fontsize=13,
+    )
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
@@ -301,14 +367,16 @@ def report(results: dict) -> str:
         "",
         "## What changes when a future token changes",
         "",
-        "| placement | rows summing to 1 (within 1e-5) | max change of a past row of A | past rows that change | max change of "
-        "this head's output (past) | max change of the logits (past) |",
+        "| placement | rows summing to 1 (within 1e-5) | max change of a past row of A | past rows that change "
+        "| max change of this head's output (past) | max change of the logits (past) |",
         "|---|---|---|---|---|---|",
     ]
     for name, c, sums in (("mask before softmax", cb, rs["before"]), ("zero after softmax", ca, rs["after"])):
         ones = int(np.sum(np.abs(np.asarray(sums) - 1) < 1e-5))
-        lines.append(f"| {name} | {ones} of {T} | {c['max_weights_change_past']:.2e} | {c['past_rows_changed']} of "
-                     f"{first} | {c['max_head_output_change_past']:.2e} | {c['max_logits_change_past']:.2e} |")
+        lines.append(
+            f"| {name} | {ones} of {T} | {c['max_weights_change_past']:.2e} | {c['past_rows_changed']} of "
+            f"{first} | {c['max_head_output_change_past']:.2e} | {c['max_logits_change_past']:.2e} |"
+        )
     lines += [
         "",
         "- Before the softmax, −∞ (a large finite negative here) gives the future exactly zero weight and the "
@@ -326,11 +394,16 @@ def report(results: dict) -> str:
         "|---|---|---|---|---|",
     ]
     for i in range(T):
-        lines.append(f"| {i} | `{labels[i]}` | {rs['before'][i]:.4f} | {rs['after'][i]:.4f} | "
-                     f"{rs['after_changed_future'][i]:.4f} |")
+        lines.append(
+            f"| {i} | `{labels[i]}` | {rs['before'][i]:.4f} | {rs['after'][i]:.4f} | "
+            f"{rs['after_changed_future'][i]:.4f} |"
+        )
     if results["legend"]:
-        lines += ["", "Token labels: a byte-level tokenizer splits each character into UTF-8 bytes; the first byte "
-                  "carries the label, continuation bytes show `·`. No CJK font was installed when the figure was "
-                  "drawn, so characters are numbered: " + "; ".join(results["legend"]) + "."]
+        lines += [
+            "",
+            "Token labels: a byte-level tokenizer splits each character into UTF-8 bytes; the first byte "
+            "carries the label, continuation bytes show `·`. No CJK font was installed when the figure was "
+            "drawn, so characters are numbered: " + "; ".join(results["legend"]) + ".",
+        ]
     lines += ["", "Numbers: results.json (S and both A of the head, row sums, per-row changes).", ""]
     return "\n".join(lines)

@@ -18,13 +18,21 @@ exact). Chance is measured, not assumed: the same probe fitted to shuffled posit
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import numpy as np
 
 from causal_lm.config import Config, config_to_dict
-from causal_lm.experiments.common import (base_config, document_positions, held_out_batches, hidden_states, pyplot,
-                                          train_variant, with_model, write_json, write_text)
+from causal_lm.experiments.common import (
+    base_config,
+    document_positions,
+    held_out_batches,
+    hidden_states,
+    pyplot,
+    train_variant,
+    with_model,
+    write_json,
+    write_text,
+)
 
 NAME = "nope-position"
 HELP = "train NoPE models with and without the causal mask; linear probe for token position per layer"
@@ -34,8 +42,15 @@ VARIANTS = {"causal": "causal", "no_mask": "none"}
 def default_config() -> Config:
     """Tiny width, 4 layers (to see position build up with depth), 32-token rows, 1500 steps: about a minute and
     a half per model on a laptop CPU."""
-    return base_config(["model.num_layers=4", "train.steps=1500", "train.seq_len=32", "train.eval_every=500",
-                        "train.checkpoint_every=1500"])
+    return base_config(
+        [
+            "model.num_layers=4",
+            "train.steps=1500",
+            "train.seq_len=32",
+            "train.eval_every=500",
+            "train.checkpoint_every=1500",
+        ]
+    )
 
 
 def collect(model, batches) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -83,19 +98,26 @@ def probe_layers(hidden, positions, rows, seed: int = 0) -> dict:
         out["chance_r2"].append(r_squared(y_test, pred0))
         out["chance_mae"].append(float(np.abs(y_test - pred0).mean()))
     best = int(np.argmax(out["r2"]))
-    out.update(best_layer=best, best_r2=out["r2"][best], max_chance_r2=float(max(out["chance_r2"])),
-               mean_baseline_mae=float(np.abs(y_test - y_fit.mean()).mean()),
-               probe_fit_tokens=int(fit.sum()), probe_test_tokens=int(test.sum()))
+    out.update(
+        best_layer=best,
+        best_r2=out["r2"][best],
+        max_chance_r2=float(max(out["chance_r2"])),
+        mean_baseline_mae=float(np.abs(y_test - y_fit.mean()).mean()),
+        probe_fit_tokens=int(fit.sum()),
+        probe_test_tokens=int(test.sum()),
+    )
     # predicted vs true position at the best layer, binned, for the figure
     pred = fit_probe(hidden[best][fit], y_fit, hidden[best][test])
     bins = np.unique(y_test).astype(int)
-    out["binned"] = {"position": bins.tolist(),
-                     "mean_prediction": [float(pred[y_test == p].mean()) for p in bins],
-                     "std_prediction": [float(pred[y_test == p].std()) for p in bins]}
+    out["binned"] = {
+        "position": bins.tolist(),
+        "mean_prediction": [float(pred[y_test == p].mean()) for p in bins],
+        "std_prediction": [float(pred[y_test == p].std()) for p in bins],
+    }
     return out
 
 
-def run(config: Optional[Config] = None, out_dir: str = "runs/nope_position", *, probe_rows: int = 512) -> dict:
+def run(config: Config | None = None, out_dir: str = "runs/nope_position", *, probe_rows: int = 512) -> dict:
     """Train both NoPE variants in out_dir/<variant>, probe every layer on held-out rows, write the report."""
     from causal_lm.train import evaluate
 
@@ -128,9 +150,11 @@ def _where(index: int) -> str:
 
 def summary(results: dict) -> str:
     c, n = results["causal"], results["no_mask"]
-    return (f"position probe R^2 (best layer): causal NoPE {c['best_r2']:.3f} ({_where(c['best_layer'])}), no mask "
-            f"{n['best_r2']:.3f} ({_where(n['best_layer'])}); chance (shuffled positions) <= "
-            f"{max(c['max_chance_r2'], n['max_chance_r2']):.3f}")
+    return (
+        f"position probe R^2 (best layer): causal NoPE {c['best_r2']:.3f} ({_where(c['best_layer'])}), no mask "
+        f"{n['best_r2']:.3f} ({_where(n['best_layer'])}); chance (shuffled positions) <= "
+        f"{max(c['max_chance_r2'], n['max_chance_r2']):.3f}"
+    )
 
 
 def plot(results: dict, path: str) -> str:
@@ -173,7 +197,7 @@ def report(results: dict) -> str:
     lines = [
         "# Does the causal mask leak position? (NoPE)",
         "",
-        f"Two models without any position encoding (`model.position=\"none\"`), identical except for the mask: "
+        f'Two models without any position encoding (`model.position="none"`), identical except for the mask: '
         f"{m['num_layers']} layers, d_model {m['d_model']}, {t['steps']} steps of {t['batch_size']}x{t['seq_len']} "
         f"tokens, seed {t['seed']}. Validation loss: causal {c['val_loss']:.3f}, no mask {n['val_loss']:.3f} (the "
         "unmasked one sees the rest of the document, so its loss is not comparable as a language model).",
@@ -190,8 +214,10 @@ def report(results: dict) -> str:
     ]
     for i in range(L):
         name = _where(i)
-        lines.append(f"| {name} | {c['r2'][i]:.3f} | {c['mae'][i]:.2f} | {n['r2'][i]:.3f} | {n['mae'][i]:.2f} | "
-                     f"{c['chance_r2'][i]:.3f} / {n['chance_r2'][i]:.3f} |")
+        lines.append(
+            f"| {name} | {c['r2'][i]:.3f} | {c['mae'][i]:.2f} | {n['r2'][i]:.3f} | {n['mae'][i]:.2f} | "
+            f"{c['chance_r2'][i]:.3f} / {n['chance_r2'][i]:.3f} |"
+        )
     lines += [
         "",
         f"Mean absolute error of always guessing the mean position: {c['mean_baseline_mae']:.2f}.",
@@ -204,8 +230,8 @@ def report(results: dict) -> str:
         f"{c['r2'][0]:.3f}): the information enters through attention, because row i of the mask averages over "
         "exactly i+1 tokens.",
         f"- Without the mask the best layer reaches R² {n['best_r2']:.3f}, chance level: every token of a document "
-        "sees the same set of tokens, so nothing in the network can tell positions apart. NoPE is not \"no "
-        "position\" once a causal mask is present.",
+        'sees the same set of tokens, so nothing in the network can tell positions apart. NoPE is not "no '
+        'position" once a causal mask is present.',
         "",
         "Numbers: results.json; training workdirs: causal/ and no_mask/ beside this report.",
         "",

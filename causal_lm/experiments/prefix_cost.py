@@ -19,9 +19,10 @@ workdir=DIR to use a trained one. Times exclude compilation: every shape is run 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -51,7 +52,7 @@ def _tokenizer(config: Config):
     return tokenizer_from_spec(config.data.tokenizer)
 
 
-def _model(config: Config, workdir: Optional[str]):
+def _model(config: Config, workdir: str | None):
     from causal_lm.model import build_model
     from causal_lm.train import load_for_inference
     from causal_lm.train.loop import resolve_config
@@ -90,9 +91,16 @@ def forward_vs_prefixes(model, ids: Sequence[int], repeats: int = 3) -> dict:
     last = np.stack([np.asarray(forward(model, tokens[:, :i])[0][0, -1], np.float64) for i in range(1, T + 1)])
     one = _best_time(lambda: forward(model, tokens)[0], repeats)
     every = _best_time(lambda: [forward(model, tokens[:, :i])[0] for i in range(1, T + 1)], repeats)
-    return {"tokens": T, "positions_one_pass": T, "positions_every_prefix": T * (T + 1) // 2,
-            "forwards_every_prefix": T, "max_abs_logit_diff": float(np.abs(full - last).max()),
-            "logits_scale": float(np.abs(full).max()), "time_one_pass_s": one, "time_every_prefix_s": every}
+    return {
+        "tokens": T,
+        "positions_one_pass": T,
+        "positions_every_prefix": T * (T + 1) // 2,
+        "forwards_every_prefix": T,
+        "max_abs_logit_diff": float(np.abs(full - last).max()),
+        "logits_scale": float(np.abs(full).max()),
+        "time_one_pass_s": one,
+        "time_every_prefix_s": every,
+    }
 
 
 def generation_cost(model, ids: Sequence[int], new_tokens: int, repeats: int = 2) -> dict:
@@ -102,26 +110,43 @@ def generation_cost(model, ids: Sequence[int], new_tokens: int, repeats: int = 2
     out = {"prompt_tokens": len(ids), "new_tokens": new_tokens, "context": len(ids) + new_tokens}
     tokens = {}
     for name, cache in (("cache", True), ("recompute", False)):
-        run = lambda: generate(model, [list(ids)], max_new_tokens=new_tokens, use_cache=cache)  # noqa: E731
+        run = functools.partial(generate, model, [list(ids)], max_new_tokens=new_tokens, use_cache=cache)
         res = run()  # compiles
-        t = _best_time(lambda: run().tokens, repeats)
+        t = _best_time(lambda run=run: run().tokens, repeats)
         tokens[name] = res.tokens[0]
-        out[name] = {"kv_computed": res.kv_computed, "steps": res.steps, "time_s": t,
-                     "time_per_token_s": t / max(len(res.tokens[0]), 1)}
+        out[name] = {
+            "kv_computed": res.kv_computed,
+            "steps": res.steps,
+            "time_s": t,
+            "time_per_token_s": t / max(len(res.tokens[0]), 1),
+        }
     out["tokens_equal"] = tokens["cache"] == tokens["recompute"]
     return out
 
 
-def run(config: Optional[Config] = None, out_dir: str = "runs/prefix_cost", *, prompt: str = PROMPT,
-        lengths: Sequence[int] = LENGTHS, gen_lengths: Sequence[int] = GEN_LENGTHS, gen_prompt_tokens: int = 2,
-        workdir: Optional[str] = None, repeats: int = 3) -> dict:
+def run(
+    config: Config | None = None,
+    out_dir: str = "runs/prefix_cost",
+    *,
+    prompt: str = PROMPT,
+    lengths: Sequence[int] = LENGTHS,
+    gen_lengths: Sequence[int] = GEN_LENGTHS,
+    gen_prompt_tokens: int = 2,
+    workdir: str | None = None,
+    repeats: int = 3,
+) -> dict:
     config = config or default_config()
     os.makedirs(out_dir, exist_ok=True)
     model, tokenizer, config = _model(config, workdir)
     max_len = model.config.max_seq_len
     lengths = sorted({int(t) for t in lengths if 1 <= t <= max_len} | {5})
-    results: dict = {"experiment": NAME, "config": config_to_dict(config), "prompt": prompt,
-                     "backend": jax.default_backend(), "workdir": workdir}
+    results: dict = {
+        "experiment": NAME,
+        "config": config_to_dict(config),
+        "prompt": prompt,
+        "backend": jax.default_backend(),
+        "workdir": workdir,
+    }
 
     # 1. one pass vs every prefix (5 tokens of the prompt: the seed's 5 -> 15)
     results["forward"] = [forward_vs_prefixes(model, _ids(tokenizer, prompt, T), repeats) for T in lengths]
@@ -141,13 +166,17 @@ def run(config: Optional[Config] = None, out_dir: str = "runs/prefix_cost", *, p
 
 def summary(results: dict) -> str:
     f, g = results["five_tokens"], results["generate_2_plus_3"]
-    s = (f"5 tokens: one pass {f['positions_one_pass']} positions vs every prefix {f['positions_every_prefix']} "
-         f"(max logit diff {f['max_abs_logit_diff']:.1e}); prompt 2 + 3 new: K/V vectors {g['recompute']['kv_computed']}"
-         f" without cache vs {g['cache']['kv_computed']} with")
+    s = (
+        f"5 tokens: one pass {f['positions_one_pass']} positions vs every prefix {f['positions_every_prefix']} "
+        f"(max logit diff {f['max_abs_logit_diff']:.1e}); prompt 2 + 3 new: K/V vectors {g['recompute']['kv_computed']}"
+        f" without cache vs {g['cache']['kv_computed']} with"
+    )
     if results["generate"]:
         last = results["generate"][-1]
-        s += (f"; at context {last['context']}: {1e3 * last['recompute']['time_per_token_s']:.2f} vs "
-              f"{1e3 * last['cache']['time_per_token_s']:.2f} ms/token")
+        s += (
+            f"; at context {last['context']}: {1e3 * last['recompute']['time_per_token_s']:.2f} vs "
+            f"{1e3 * last['cache']['time_per_token_s']:.2f} ms/token"
+        )
     return s
 
 
@@ -162,8 +191,9 @@ def plot(results: dict, path: str) -> str:
     ax.plot(T, [r["positions_every_prefix"] for r in fw], "s-", color="C3", label="every prefix: T(T+1)/2")
     ax.set_xlabel("tokens T")
     ax.set_ylabel("token positions computed")
-    ax.set_title(f"Positions per sequence ({f5['tokens']} tokens: {f5['positions_one_pass']} vs "
-                 f"{f5['positions_every_prefix']})")
+    ax.set_title(
+        f"Positions per sequence ({f5['tokens']} tokens: {f5['positions_one_pass']} vs {f5['positions_every_prefix']})"
+    )
     ax.legend(fontsize=8, loc="upper left")
     ax = axes[1]
     ax.plot(T, [1e3 * r["time_one_pass_s"] for r in fw], "o-", color="C0", label="one masked pass")
@@ -177,8 +207,13 @@ def plot(results: dict, path: str) -> str:
     ax = axes[2]
     if gen:
         ctx = [g["context"] for g in gen]
-        ax.plot(ctx, [1e3 * g["recompute"]["time_per_token_s"] for g in gen], "s-", color="C3",
-                label="no cache (recompute everything)")
+        ax.plot(
+            ctx,
+            [1e3 * g["recompute"]["time_per_token_s"] for g in gen],
+            "s-",
+            color="C3",
+            label="no cache (recompute everything)",
+        )
         ax.plot(ctx, [1e3 * g["cache"]["time_per_token_s"] for g in gen], "o-", color="C0", label="KV cache")
         ax.set_xscale("log", base=2)
     ax.set_xlabel("context length (prompt + generated)")
@@ -193,8 +228,9 @@ def plot(results: dict, path: str) -> str:
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
     g = results["generate_2_plus_3"]
-    ax.set_title(f"K/V vectors computed (prompt 2 + 3 new: {g['recompute']['kv_computed']} vs "
-                 f"{g['cache']['kv_computed']})")
+    ax.set_title(
+        f"K/V vectors computed (prompt 2 + 3 new: {g['recompute']['kv_computed']} vs {g['cache']['kv_computed']})"
+    )
     ax.set_xlabel("context length")
     ax.set_ylabel("K/V vectors per layer and KV head")
     ax.legend(fontsize=8)
@@ -211,8 +247,11 @@ def report(results: dict) -> str:
         "",
         f"Model: {m['num_layers']} layers, d_model {m['d_model']}, {m['num_heads']} query / "
         f"{m['num_kv_heads'] or m['num_heads']} KV heads, "
-        + (f"weights from `{results['workdir']}`" if results["workdir"] else "freshly initialised (equality and "
-           "cost do not depend on training)")
+        + (
+            f"weights from `{results['workdir']}`"
+            if results["workdir"]
+            else "freshly initialised (equality and cost do not depend on training)"
+        )
         + f"; backend {results['backend']}. Tokens: the prompt `{results['prompt']}`, repeated to length T. Times "
         "are the best of a few warm runs (compilation excluded).",
         "",
@@ -225,9 +264,11 @@ def report(results: dict) -> str:
         "|---|---|---|---|---|---|",
     ]
     for r in results["forward"]:
-        lines.append(f"| {r['tokens']} | {r['positions_one_pass']} | {r['positions_every_prefix']} | "
-                     f"{r['max_abs_logit_diff']:.1e} | {1e3 * r['time_one_pass_s']:.2f} ms | "
-                     f"{1e3 * r['time_every_prefix_s']:.2f} ms |")
+        lines.append(
+            f"| {r['tokens']} | {r['positions_one_pass']} | {r['positions_every_prefix']} | "
+            f"{r['max_abs_logit_diff']:.1e} | {1e3 * r['time_one_pass_s']:.2f} ms | "
+            f"{1e3 * r['time_every_prefix_s']:.2f} ms |"
+        )
     lines += [
         "",
         f"With the causal mask, one forward pass over {f5['tokens']} tokens computes {f5['positions_one_pass']} "
@@ -248,9 +289,11 @@ def report(results: dict) -> str:
     ]
     for r in results["generate"]:
         a, b = r["recompute"], r["cache"]
-        lines.append(f"| {r['context']} | {r['new_tokens']} | {a['kv_computed']:,} | {b['kv_computed']:,} | "
-                     f"{1e3 * a['time_per_token_s']:.2f} | {1e3 * b['time_per_token_s']:.2f} | "
-                     f"{a['time_per_token_s'] / b['time_per_token_s']:.1f}x | {r['tokens_equal']} |")
+        lines.append(
+            f"| {r['context']} | {r['new_tokens']} | {a['kv_computed']:,} | {b['kv_computed']:,} | "
+            f"{1e3 * a['time_per_token_s']:.2f} | {1e3 * b['time_per_token_s']:.2f} | "
+            f"{a['time_per_token_s'] / b['time_per_token_s']:.1f}x | {r['tokens_equal']} |"
+        )
     lines += [
         "",
         "Without a cache each new token reruns the model over the whole sequence so far, so its K/V count grows "

@@ -34,7 +34,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -55,15 +56,19 @@ class HFFormatError(ValueError):
 
 # ---- config -------------------------------------------------------------------------------------------------
 
+
 def read_hf_config(path: str) -> dict:
     """config.json of a Hugging Face checkpoint folder as a dict."""
     if not os.path.isdir(path):
-        raise HFFormatError(f"{path!r} is not a directory; expected a Hugging Face checkpoint folder holding "
-                            "config.json and model.safetensors")
+        raise HFFormatError(
+            f"{path!r} is not a directory; expected a Hugging Face checkpoint folder holding "
+            "config.json and model.safetensors"
+        )
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
-        raise HFFormatError(f"{path!r} has no config.json; expected a Hugging Face checkpoint folder "
-                            "(config.json + model.safetensors)")
+        raise HFFormatError(
+            f"{path!r} has no config.json; expected a Hugging Face checkpoint folder (config.json + model.safetensors)"
+        )
     with open(cfg_path) as f:
         return json.load(f)
 
@@ -78,7 +83,8 @@ def _architecture(hf: dict) -> str:
         return MODEL_TYPES[model_type]
     raise HFFormatError(
         f"unsupported architecture {archs or None} (model_type {model_type!r}); supported: "
-        f"{', '.join(ARCHITECTURES)} (model_type {', '.join(MODEL_TYPES)})")
+        f"{', '.join(ARCHITECTURES)} (model_type {', '.join(MODEL_TYPES)})"
+    )
 
 
 def _rope(hf: dict) -> float:
@@ -96,21 +102,28 @@ def _rope(hf: dict) -> float:
         if not isinstance(d, dict):
             raise HFFormatError(f"config.json: rope settings {d!r} are not a dict")
         if "full_attention" in d:  # per-layer-type rope parameters
-            raise HFFormatError("config.json: per-layer-type rope_parameters are not supported; expected one "
-                                "rope_parameters dict with rope_type 'default'")
+            raise HFFormatError(
+                "config.json: per-layer-type rope_parameters are not supported; expected one "
+                "rope_parameters dict with rope_type 'default'"
+            )
         kind = d.get("rope_type", d.get("type", "default"))
         if kind != "default":
             raise HFFormatError(
                 f"config.json: rope type {kind!r} is not supported (only plain RoPE, rope_type 'default', is "
                 "implemented here; llama3/linear/dynamic/yarn/longrope scaling would change the rotary "
-                "frequencies)")
+                "frequencies)"
+            )
         if d.get("partial_rotary_factor", 1.0) != 1.0:
-            raise HFFormatError(f"config.json: partial_rotary_factor={d['partial_rotary_factor']} is not supported "
-                                "for these architectures; expected 1.0")
+            raise HFFormatError(
+                f"config.json: partial_rotary_factor={d['partial_rotary_factor']} is not supported "
+                "for these architectures; expected 1.0"
+            )
         theta = d.get("rope_theta", theta)
     if hf.get("partial_rotary_factor", 1.0) != 1.0:
-        raise HFFormatError(f"config.json: partial_rotary_factor={hf['partial_rotary_factor']} is not supported "
-                            "for these architectures; expected 1.0")
+        raise HFFormatError(
+            f"config.json: partial_rotary_factor={hf['partial_rotary_factor']} is not supported "
+            "for these architectures; expected 1.0"
+        )
     return float(theta)
 
 
@@ -131,13 +144,16 @@ def _sliding_windows(hf: dict, arch: str, num_layers: int) -> tuple:
     if layer_types is None:
         return (window,) * num_layers  # Mistral: every layer
     if len(layer_types) != num_layers or set(layer_types) - {"sliding_attention", "full_attention"}:
-        raise HFFormatError(f"config.json: layer_types={layer_types!r}; expected {num_layers} entries, each "
-                            "'sliding_attention' or 'full_attention'")
+        raise HFFormatError(
+            f"config.json: layer_types={layer_types!r}; expected {num_layers} entries, each "
+            "'sliding_attention' or 'full_attention'"
+        )
     return tuple(window if t == "sliding_attention" else 0 for t in layer_types)
 
 
-def model_config_from_hf(hf: dict, *, param_dtype: str = "float32", dtype: Optional[str] = None,
-                         max_seq_len: Optional[int] = None) -> ModelConfig:
+def model_config_from_hf(
+    hf: dict, *, param_dtype: str = "float32", dtype: str | None = None, max_seq_len: int | None = None
+) -> ModelConfig:
     """The ModelConfig that computes what `transformers` computes for this config.json (or an HFFormatError)."""
     arch = _architecture(hf)
     act = hf.get("hidden_act", "silu")
@@ -145,9 +161,11 @@ def model_config_from_hf(hf: dict, *, param_dtype: str = "float32", dtype: Optio
         raise HFFormatError(f"config.json: hidden_act={act!r} is not supported; expected 'silu' (SwiGLU MLP)")
     if arch == "LlamaForCausalLM":
         if hf.get("attention_bias", False):
-            raise HFFormatError("config.json: attention_bias=true (biases on q/k/v and o_proj) is not supported for "
-                                "Llama; expected false (Qwen2-style q/k/v-only biases are supported as "
-                                "Qwen2ForCausalLM)")
+            raise HFFormatError(
+                "config.json: attention_bias=true (biases on q/k/v and o_proj) is not supported for "
+                "Llama; expected false (Qwen2-style q/k/v-only biases are supported as "
+                "Qwen2ForCausalLM)"
+            )
         if hf.get("mlp_bias", False):
             raise HFFormatError("config.json: mlp_bias=true is not supported; expected false")
     for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
@@ -166,17 +184,37 @@ def model_config_from_hf(hf: dict, *, param_dtype: str = "float32", dtype: Optio
     tie = hf.get("tie_word_embeddings", False)  # the default of all three config classes
     try:
         return ModelConfig(
-            vocab_size=hf["vocab_size"], d_model=D, num_layers=L, num_heads=N, num_kv_heads=K, head_dim=H,
-            mlp_dim=hf["intermediate_size"], max_seq_len=context, position="rope", rope_theta=_rope(hf),
-            rope_fraction=1.0, sliding_window=window, layer_pattern=pattern,
-            qkv_bias=(arch == "Qwen2ForCausalLM"), tie_embeddings=bool(tie),
-            norm_eps=float(eps), param_dtype=param_dtype, dtype=dtype or param_dtype)
+            vocab_size=hf["vocab_size"],
+            d_model=D,
+            num_layers=L,
+            num_heads=N,
+            num_kv_heads=K,
+            head_dim=H,
+            mlp_dim=hf["intermediate_size"],
+            max_seq_len=context,
+            position="rope",
+            rope_theta=_rope(hf),
+            rope_fraction=1.0,
+            sliding_window=window,
+            layer_pattern=pattern,
+            qkv_bias=(arch == "Qwen2ForCausalLM"),
+            tie_embeddings=bool(tie),
+            norm_eps=float(eps),
+            param_dtype=param_dtype,
+            dtype=dtype or param_dtype,
+        )
     except ValueError as e:
         raise HFFormatError(f"config.json describes a model this project cannot build: {e}") from None
 
 
-def hf_config_from_model(c: ModelConfig, architecture: Optional[str] = None, *, bos_id: Optional[int] = None,
-                         eos_id: Optional[int] = None, pad_id: Optional[int] = None) -> dict:
+def hf_config_from_model(
+    c: ModelConfig,
+    architecture: str | None = None,
+    *,
+    bos_id: int | None = None,
+    eos_id: int | None = None,
+    pad_id: int | None = None,
+) -> dict:
     """config.json for `c` (refusing models that the Hugging Face architectures cannot express)."""
     problems = []
     if c.position != "rope":
@@ -241,12 +279,17 @@ def hf_config_from_model(c: ModelConfig, architecture: Optional[str] = None, *, 
     else:
         # max_window_layers (the first windowed layer) is what transformers 4.x reads; 5.x reads layer_types.
         first = next((i for i, w in enumerate(windows) if w), c.num_layers)
-        out.update(use_sliding_window=window is not None, sliding_window=window, max_window_layers=first,
-                   layer_types=["sliding_attention" if w else "full_attention" for w in windows])
+        out.update(
+            use_sliding_window=window is not None,
+            sliding_window=window,
+            max_window_layers=first,
+            layer_types=["sliding_attention" if w else "full_attention" for w in windows],
+        )
     return out
 
 
 # ---- weights ------------------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class _Param:
@@ -255,6 +298,7 @@ class _Param:
     ours: path in our state; hf: tensor name ('{i}' = layer index for per-layer tensors); shape: the HF shape
     as (sizes, names of the config fields); to_ours / to_hf convert one (per-layer) array each way.
     """
+
     ours: tuple
     hf: str
     shape: Callable[[ModelConfig], tuple]
@@ -274,40 +318,106 @@ def _param_table(c: ModelConfig) -> list[_Param]:
         return (lambda w, c: w.T.reshape(D, heads, H), lambda a, c: a.reshape(D, heads * H).T)
 
     table = [
-        _Param(("embed",), "model.embed_tokens.weight", lambda c: ((V, "vocab_size"), (D, "hidden_size")),
-               lambda w, c: w, lambda a, c: a),
-        _Param(("final_norm", "scale"), "model.norm.weight", lambda c: ((D, "hidden_size"),),
-               lambda w, c: w, lambda a, c: a),
-        _Param(("blocks", "attn_norm", "scale"), pre + "input_layernorm.weight", lambda c: ((D, "hidden_size"),),
-               lambda w, c: w, lambda a, c: a),
-        _Param(("blocks", "mlp_norm", "scale"), pre + "post_attention_layernorm.weight",
-               lambda c: ((D, "hidden_size"),), lambda w, c: w, lambda a, c: a),
-        _Param(("blocks", "attn", "wq"), pre + "self_attn.q_proj.weight",
-               lambda c: ((N * H, "num_attention_heads*head_dim"), (D, "hidden_size")), *lin_in(N)),
-        _Param(("blocks", "attn", "wk"), pre + "self_attn.k_proj.weight",
-               lambda c: ((K * H, "num_key_value_heads*head_dim"), (D, "hidden_size")), *lin_in(K)),
-        _Param(("blocks", "attn", "wv"), pre + "self_attn.v_proj.weight",
-               lambda c: ((K * H, "num_key_value_heads*head_dim"), (D, "hidden_size")), *lin_in(K)),
-        _Param(("blocks", "attn", "wo"), pre + "self_attn.o_proj.weight",
-               lambda c: ((D, "hidden_size"), (N * H, "num_attention_heads*head_dim")),
-               lambda w, c: w.T.reshape(N, H, D), lambda a, c: a.reshape(N * H, D).T),
-        _Param(("blocks", "mlp", "w_gate"), pre + "mlp.gate_proj.weight",
-               lambda c: ((F, "intermediate_size"), (D, "hidden_size")), lambda w, c: w.T, lambda a, c: a.T),
-        _Param(("blocks", "mlp", "w_up"), pre + "mlp.up_proj.weight",
-               lambda c: ((F, "intermediate_size"), (D, "hidden_size")), lambda w, c: w.T, lambda a, c: a.T),
-        _Param(("blocks", "mlp", "w_down"), pre + "mlp.down_proj.weight",
-               lambda c: ((D, "hidden_size"), (F, "intermediate_size")), lambda w, c: w.T, lambda a, c: a.T),
+        _Param(
+            ("embed",),
+            "model.embed_tokens.weight",
+            lambda c: ((V, "vocab_size"), (D, "hidden_size")),
+            lambda w, c: w,
+            lambda a, c: a,
+        ),
+        _Param(
+            ("final_norm", "scale"),
+            "model.norm.weight",
+            lambda c: ((D, "hidden_size"),),
+            lambda w, c: w,
+            lambda a, c: a,
+        ),
+        _Param(
+            ("blocks", "attn_norm", "scale"),
+            pre + "input_layernorm.weight",
+            lambda c: ((D, "hidden_size"),),
+            lambda w, c: w,
+            lambda a, c: a,
+        ),
+        _Param(
+            ("blocks", "mlp_norm", "scale"),
+            pre + "post_attention_layernorm.weight",
+            lambda c: ((D, "hidden_size"),),
+            lambda w, c: w,
+            lambda a, c: a,
+        ),
+        _Param(
+            ("blocks", "attn", "wq"),
+            pre + "self_attn.q_proj.weight",
+            lambda c: ((N * H, "num_attention_heads*head_dim"), (D, "hidden_size")),
+            *lin_in(N),
+        ),
+        _Param(
+            ("blocks", "attn", "wk"),
+            pre + "self_attn.k_proj.weight",
+            lambda c: ((K * H, "num_key_value_heads*head_dim"), (D, "hidden_size")),
+            *lin_in(K),
+        ),
+        _Param(
+            ("blocks", "attn", "wv"),
+            pre + "self_attn.v_proj.weight",
+            lambda c: ((K * H, "num_key_value_heads*head_dim"), (D, "hidden_size")),
+            *lin_in(K),
+        ),
+        _Param(
+            ("blocks", "attn", "wo"),
+            pre + "self_attn.o_proj.weight",
+            lambda c: ((D, "hidden_size"), (N * H, "num_attention_heads*head_dim")),
+            lambda w, c: w.T.reshape(N, H, D),
+            lambda a, c: a.reshape(N * H, D).T,
+        ),
+        _Param(
+            ("blocks", "mlp", "w_gate"),
+            pre + "mlp.gate_proj.weight",
+            lambda c: ((F, "intermediate_size"), (D, "hidden_size")),
+            lambda w, c: w.T,
+            lambda a, c: a.T,
+        ),
+        _Param(
+            ("blocks", "mlp", "w_up"),
+            pre + "mlp.up_proj.weight",
+            lambda c: ((F, "intermediate_size"), (D, "hidden_size")),
+            lambda w, c: w.T,
+            lambda a, c: a.T,
+        ),
+        _Param(
+            ("blocks", "mlp", "w_down"),
+            pre + "mlp.down_proj.weight",
+            lambda c: ((D, "hidden_size"), (F, "intermediate_size")),
+            lambda w, c: w.T,
+            lambda a, c: a.T,
+        ),
     ]
     if c.qkv_bias:
-        for name, heads, label in (("q", N, "num_attention_heads"), ("k", K, "num_key_value_heads"),
-                                   ("v", K, "num_key_value_heads")):
-            table.append(_Param(("blocks", "attn", "b" + name), pre + f"self_attn.{name}_proj.bias",
-                                lambda c, heads=heads, label=label: ((heads * H, f"{label}*head_dim"),),
-                                lambda w, c, heads=heads: w.reshape(heads, H),
-                                lambda a, c, heads=heads: a.reshape(heads * H)))
+        for name, heads, label in (
+            ("q", N, "num_attention_heads"),
+            ("k", K, "num_key_value_heads"),
+            ("v", K, "num_key_value_heads"),
+        ):
+            table.append(
+                _Param(
+                    ("blocks", "attn", "b" + name),
+                    pre + f"self_attn.{name}_proj.bias",
+                    lambda c, heads=heads, label=label: ((heads * H, f"{label}*head_dim"),),
+                    lambda w, c, heads=heads: w.reshape(heads, H),
+                    lambda a, c, heads=heads: a.reshape(heads * H),
+                )
+            )
     if not c.tie_embeddings:
-        table.append(_Param(("lm_head",), "lm_head.weight", lambda c: ((V, "vocab_size"), (D, "hidden_size")),
-                            lambda w, c: w.T, lambda a, c: a.T))
+        table.append(
+            _Param(
+                ("lm_head",),
+                "lm_head.weight",
+                lambda c: ((V, "vocab_size"), (D, "hidden_size")),
+                lambda w, c: w.T,
+                lambda a, c: a.T,
+            )
+        )
     return table
 
 
@@ -333,8 +443,14 @@ class _Tensors:
             files = [WEIGHTS_NAME]
         else:
             others = sorted(f for f in os.listdir(path) if f.endswith((".bin", ".pt", ".pth", ".ckpt", ".h5")))
-            hint = (f" (found {', '.join(others)}: only safetensors are read here; re-save it with transformers' "
-                    "save_pretrained, which writes safetensors)") if others else ""
+            hint = (
+                (
+                    f" (found {', '.join(others)}: only safetensors are read here; re-save it with transformers' "
+                    "save_pretrained, which writes safetensors)"
+                )
+                if others
+                else ""
+            )
             raise HFFormatError(f"{path!r} has neither {WEIGHTS_NAME} nor {INDEX_NAME}{hint}")
         self.files = {}
         self.where: dict[str, str] = {}
@@ -372,12 +488,16 @@ def load_hf_params(path: str, config: ModelConfig) -> dict:
         for name in names:
             needed.add(name)
             if name not in tensors.where:
-                raise HFFormatError(f"{path!r}: the checkpoint has no tensor {name!r} (expected shape "
-                                    f"{_shape_text(spec)} from config.json)")
+                raise HFFormatError(
+                    f"{path!r}: the checkpoint has no tensor {name!r} (expected shape "
+                    f"{_shape_text(spec)} from config.json)"
+                )
             got = tensors.shape(name)
             if got != expected:
-                raise HFFormatError(f"{path!r}: tensor {name!r} in {tensors.where[name]} has shape {list(got)}, "
-                                    f"expected {_shape_text(spec)} from config.json")
+                raise HFFormatError(
+                    f"{path!r}: tensor {name!r} in {tensors.where[name]} has shape {list(got)}, "
+                    f"expected {_shape_text(spec)} from config.json"
+                )
             arrays.append(np.ascontiguousarray(p.to_ours(tensors.get(name), config), dtype=pd))
         value = np.stack(arrays) if p.per_layer else arrays[0]
         d = params
@@ -389,9 +509,11 @@ def load_hf_params(path: str, config: ModelConfig) -> dict:
     extra = sorted(n for n in tensors.names() - needed if not n.endswith(_IGNORED_SUFFIXES))
     if extra:
         shown = ", ".join(repr(n) for n in extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
-        raise HFFormatError(f"{path!r}: tensors {shown} have no place in this architecture (a feature not "
-                            "supported here, or a config.json that does not match the weights); refusing to "
-                            "drop weights silently")
+        raise HFFormatError(
+            f"{path!r}: tensors {shown} have no place in this architecture (a feature not "
+            "supported here, or a config.json that does not match the weights); refusing to "
+            "drop weights silently"
+        )
     return params
 
 
@@ -422,14 +544,21 @@ def model_from_params(config: ModelConfig, params: dict):
         raise HFFormatError(f"parameters do not match the model: missing {missing}, unexpected {unknown}")
     for k, w in flat_want.items():
         if tuple(flat_got[k].shape) != tuple(w.shape):
-            raise HFFormatError(f"parameter {jax.tree_util.keystr(k)} has shape {flat_got[k].shape}, "
-                                f"expected {w.shape}")
+            raise HFFormatError(
+                f"parameter {jax.tree_util.keystr(k)} has shape {flat_got[k].shape}, expected {w.shape}"
+            )
     nnx.replace_by_pure_dict(state, jax.tree.map(lambda a, w: jnp.asarray(a, w.dtype), params, want))
     return nnx.merge(graphdef, state)
 
 
-def load_hf(path: str, *, param_dtype: str = "float32", dtype: Optional[str] = None,
-            max_seq_len: Optional[int] = None, load_tokenizer: bool = True):
+def load_hf(
+    path: str,
+    *,
+    param_dtype: str = "float32",
+    dtype: str | None = None,
+    max_seq_len: int | None = None,
+    load_tokenizer: bool = True,
+):
     """Read a local Hugging Face Llama / Mistral / Qwen2 checkpoint folder: (model, tokenizer or None).
 
     param_dtype: the dtype weights are stored in here (default float32 whatever the file holds, so logits match
@@ -462,7 +591,7 @@ def _special_ids(path: str, hf: dict) -> dict:
     return out  # {"bos_id": ..., "eos_id": ..., "pad_id": ...}
 
 
-def read_hf_tokenizer(path: str, hf: Optional[dict] = None):
+def read_hf_tokenizer(path: str, hf: dict | None = None):
     """The folder's tokenizer.json as the project's HFTokenizer (special ids from the checkpoint's configs), or
     None when the folder has no tokenizer.json."""
     file = os.path.join(path, "tokenizer.json")
@@ -497,7 +626,7 @@ def hf_tensors_from_model(model) -> dict:
     return out
 
 
-def save_hf(model, tokenizer, out_dir: str, *, architecture: Optional[str] = None) -> str:
+def save_hf(model, tokenizer, out_dir: str, *, architecture: str | None = None) -> str:
     """Write `model` (and the tokenizer's tokenizer.json, when it has one) as a Hugging Face checkpoint.
 
     architecture: "llama", "mistral" or "qwen2" (default: qwen2 when the model has q/k/v biases, else llama).
@@ -515,8 +644,15 @@ def save_hf(model, tokenizer, out_dir: str, *, architecture: Optional[str] = Non
     save_file(tensors, os.path.join(out_dir, WEIGHTS_NAME), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
-    gen = {k: v for k, v in (("bos_token_id", cfg["bos_token_id"]), ("eos_token_id", cfg["eos_token_id"]),
-                             ("pad_token_id", cfg["pad_token_id"])) if v is not None}
+    gen = {
+        k: v
+        for k, v in (
+            ("bos_token_id", cfg["bos_token_id"]),
+            ("eos_token_id", cfg["eos_token_id"]),
+            ("pad_token_id", cfg["pad_token_id"]),
+        )
+        if v is not None
+    }
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
         json.dump(gen, f, indent=2, sort_keys=True)
     if tokenizer is not None:
@@ -574,8 +710,11 @@ def byte_tokenizer_json(tokenizer) -> str:
 
 def _bytes_to_unicode() -> dict:
     """GPT-2's reversible byte -> printable character map (what tokenizers' ByteLevel uses)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + \
-        list(range(ord("\xae"), ord("\xff") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("\xa1"), ord("\xac") + 1))
+        + list(range(ord("\xae"), ord("\xff") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -583,4 +722,4 @@ def _bytes_to_unicode() -> dict:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return dict(zip(bs, map(chr, cs)))
+    return dict(zip(bs, map(chr, cs), strict=True))

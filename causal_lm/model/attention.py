@@ -16,8 +16,6 @@ all use this one function; there is no separate mask per mode.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,8 +29,7 @@ from causal_lm.model.rope import apply_rope
 MASK_VALUE = -1e30
 
 
-def make_mask(query_pos, key_pos, key_valid, query_segment=None, key_segment=None, *, causal: bool = True,
-              window=None):
+def make_mask(query_pos, key_pos, key_valid, query_segment=None, key_segment=None, *, causal: bool = True, window=None):
     """Boolean visibility [B, T, S] from positions [B, T] / [B, S], key validity [B, S] and optional segments.
 
     window: a sliding window (int, or a traced int32 scalar when layers differ); a query at position p then sees
@@ -106,8 +103,9 @@ def _scores_in_place(q, k):
     """
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
-    pairs = jnp.einsum("bqh,bjh->bqj", q.reshape(B, T * N, H), k.reshape(B, S * K, H),
-                       preferred_element_type=jnp.float32).reshape(B, T, K, N // K, S, K)
+    pairs = jnp.einsum(
+        "bqh,bjh->bqj", q.reshape(B, T * N, H), k.reshape(B, S * K, H), preferred_element_type=jnp.float32
+    ).reshape(B, T, K, N // K, S, K)
     scores = jnp.diagonal(pairs, axis1=2, axis2=5)  # query head group k with key head k: [B, T, G, S, K]
     return scores.transpose(0, 4, 2, 1, 3) * (1.0 / jnp.sqrt(jnp.float32(H)))  # [B, K, G, T, S]
 
@@ -166,8 +164,18 @@ def _zero_after(weights, zero_after):
     return weights
 
 
-def attend(q, k, v, visible, *, sink=None, zero_after=None, impl: str = "xla", return_weights: bool = False,
-           query_block: int = 0):
+def attend(
+    q,
+    k,
+    v,
+    visible,
+    *,
+    sink=None,
+    zero_after=None,
+    impl: str = "xla",
+    return_weights: bool = False,
+    query_block: int = 0,
+):
     """Attention output [B, T, N, H] (and optionally weights [B, N, T, S]).
 
     GQA/MQA: the G query heads of a group attend to their shared K/V head through the einsum's k axis; K and V
@@ -188,8 +196,9 @@ def attend(q, k, v, visible, *, sink=None, zero_after=None, impl: str = "xla", r
         for i, e in spans:
             s_end = e if blocked else S
             vis = visible[:, i:e, :s_end]
-            out = jax.nn.dot_product_attention(q[:, i:e], k[:, :s_end].astype(q.dtype),
-                                               v[:, :s_end].astype(q.dtype), mask=vis[:, None, :, :])
+            out = jax.nn.dot_product_attention(
+                q[:, i:e], k[:, :s_end].astype(q.dtype), v[:, :s_end].astype(q.dtype), mask=vis[:, None, :, :]
+            )
             # A row with no visible key: defined as zeros (the library returns an average of V there).
             outs.append(out * jnp.any(vis, axis=-1)[:, :, None, None].astype(out.dtype))
         return (outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)), None
@@ -202,8 +211,9 @@ def attend(q, k, v, visible, *, sink=None, zero_after=None, impl: str = "xla", r
     for i, e in spans:
         s_end = e if blocked else S  # a block's queries see no key after their own block
         za = None if zero_after is None else zero_after[:, i:e, :s_end]
-        weights = masked_softmax(_scores(qh[:, :, :, i:e], kh[:, :, :s_end]), visible[:, i:e, :s_end], sink=sink,
-                                 zero_after=za)  # [B, K, G, t, s]
+        weights = masked_softmax(
+            _scores(qh[:, :, :, i:e], kh[:, :, :s_end]), visible[:, i:e, :s_end], sink=sink, zero_after=za
+        )  # [B, K, G, t, s]
         outs.append(_weighted_values(weights, vh[:, :, :s_end]))  # [B, K, G, t, H]
     out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
     out = out.transpose(0, 3, 1, 2, 4).reshape(B, T, N, H)
@@ -221,9 +231,12 @@ def project(x, w, n_in: int = 1, preferred_element_type=None):
     both the forward and the backward are plain matmuls.
     """
     in_shape, out_shape = w.shape[:n_in], w.shape[n_in:]
-    lead = x.shape[:x.ndim - n_in]
-    y = jnp.matmul(x.reshape(-1, int(np.prod(in_shape))), w.reshape(int(np.prod(in_shape)), -1),
-                   preferred_element_type=preferred_element_type)
+    lead = x.shape[: x.ndim - n_in]
+    y = jnp.matmul(
+        x.reshape(-1, int(np.prod(in_shape))),
+        w.reshape(int(np.prod(in_shape)), -1),
+        preferred_element_type=preferred_element_type,
+    )
     return y.reshape(lead + out_shape)
 
 
@@ -277,8 +290,19 @@ class Attention(nnx.Module):
             k = apply_rope(k, cos, sin)
         return k, v
 
-    def __call__(self, x, *, cos, sin, visible, zero_after=None, layer_cache=None, starts=None,
-                 return_weights=False, query_block=0):
+    def __call__(
+        self,
+        x,
+        *,
+        cos,
+        sin,
+        visible,
+        zero_after=None,
+        layer_cache=None,
+        starts=None,
+        return_weights=False,
+        query_block=0,
+    ):
         """x: [B, T, D] -> [B, T, D].
 
         layer_cache: optional (buffers, layer): the cache's (k, v) buffers [L, B, S, K, H] and this layer's index;
@@ -297,8 +321,17 @@ class Attention(nnx.Module):
             new_cache = (write_layer_rows(ck, layer, k_new, starts), write_layer_rows(cv, layer, v_new, starts))
             k, v = new_cache[0][layer].astype(dt), new_cache[1][layer].astype(dt)  # [B, S, K, H]
         sink = self.sink[...] if c.attn_sink else None
-        out, weights = attend(q, k, v, visible, sink=sink, zero_after=zero_after, impl=c.attention_impl,
-                              return_weights=return_weights, query_block=query_block)  # [B, T, N, H]
+        out, weights = attend(
+            q,
+            k,
+            v,
+            visible,
+            sink=sink,
+            zero_after=zero_after,
+            impl=c.attention_impl,
+            return_weights=return_weights,
+            query_block=query_block,
+        )  # [B, T, N, H]
         if c.attn_output_gate:
             gate = jax.nn.sigmoid(project(x, self.wg[...].astype(dt)).astype(jnp.float32))
             out = (out.astype(jnp.float32) * gate).astype(dt)

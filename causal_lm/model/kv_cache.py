@@ -17,7 +17,6 @@ and `buffers` / `with_buffers`, the per-layer arrays the decoder scans over):
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +59,7 @@ class KVCache:
         """The per-layer arrays, each [L, B, S, ...]."""
         return (self.k, self.v)
 
-    def with_buffers(self, buffers, lengths) -> "KVCache":
+    def with_buffers(self, buffers, lengths) -> KVCache:
         return KVCache(k=buffers[0], v=buffers[1], lengths=lengths)
 
 
@@ -94,7 +93,7 @@ class MLACache:
     def buffers(self) -> tuple:
         return (self.latent, self.rope_key)
 
-    def with_buffers(self, buffers, lengths) -> "MLACache":
+    def with_buffers(self, buffers, lengths) -> MLACache:
         return MLACache(latent=buffers[0], rope_key=buffers[1], lengths=lengths)
 
 
@@ -103,10 +102,11 @@ def require_causal(config: ModelConfig) -> None:
         raise CacheError(
             f"a KV cache needs attention_mask='causal' (this model uses {config.attention_mask!r}): without the "
             "causal mask an old token's K/V would change when new tokens arrive, so cached values would be "
-            "wrong. Use generate(..., use_cache=False) (or `causal-lm generate --no-cache`) for this model.")
+            "wrong. Use generate(..., use_cache=False) (or `causal-lm generate --no-cache`) for this model."
+        )
 
 
-def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype: Optional[str] = None):
+def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype: str | None = None):
     """An empty cache for `batch_size` rows of up to `max_len` tokens, stored at the KV-head count
     (a KVCache), or for MLA the latent and rope key (an MLACache). Sliding-window layers keep full length."""
     require_causal(config)
@@ -115,9 +115,11 @@ def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype: Option
     dt = jnp.dtype(dtype or config.dtype)
     if config.attention_type == "mla":
         L = config.num_layers
-        return MLACache(latent=jnp.zeros((L, batch_size, max_len, config.kv_lora_rank), dt),
-                        rope_key=jnp.zeros((L, batch_size, max_len, config.rope_dim), dt),
-                        lengths=jnp.zeros((batch_size,), jnp.int32))
+        return MLACache(
+            latent=jnp.zeros((L, batch_size, max_len, config.kv_lora_rank), dt),
+            rope_key=jnp.zeros((L, batch_size, max_len, config.rope_dim), dt),
+            lengths=jnp.zeros((batch_size,), jnp.int32),
+        )
     shape = (config.num_layers, batch_size, max_len, config.kv_heads, config.head_size)
     return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt), lengths=jnp.zeros((batch_size,), jnp.int32))
 
@@ -147,10 +149,15 @@ def write_layer_rows(buf, layer, new, starts):
     index = jnp.stack([jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (B, T)), slots], axis=-1)  # [B, T, 2]
     rest = tuple(range(2, new.ndim))  # the per-slot entry's own axes, e.g. (K, H)
     dims = jax.lax.ScatterDimensionNumbers(
-        update_window_dims=rest, inserted_window_dims=(0, 2), scatter_dims_to_operand_dims=(0, 2),
-        operand_batching_dims=(1,), scatter_indices_batching_dims=(0,))
-    return jax.lax.scatter(buf, index, new, dims, indices_are_sorted=True, unique_indices=True,
-                           mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
+        update_window_dims=rest,
+        inserted_window_dims=(0, 2),
+        scatter_dims_to_operand_dims=(0, 2),
+        operand_batching_dims=(1,),
+        scatter_indices_batching_dims=(0,),
+    )
+    return jax.lax.scatter(
+        buf, index, new, dims, indices_are_sorted=True, unique_indices=True, mode=jax.lax.GatherScatterMode.FILL_OR_DROP
+    )
 
 
 def check_capacity(cache, num_new: int) -> None:
@@ -161,4 +168,5 @@ def check_capacity(cache, num_new: int) -> None:
         row = int(lengths.argmax())
         raise CacheError(
             f"KV cache overflow: row {row} holds {int(lengths[row])} tokens and {num_new} more do not fit in "
-            f"max_len={cache.max_len} (JAX would clamp the write and silently overwrite the last slots)")
+            f"max_len={cache.max_len} (JAX would clamp the write and silently overwrite the last slots)"
+        )

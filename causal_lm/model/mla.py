@@ -74,7 +74,7 @@ class MLAttention(nnx.Module):
             q = jnp.einsum("btq,qnh->btnh", cq, self.wq_b[...].astype(dt))
         else:
             q = jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(dt))
-        q_nope, q_rope = q[..., :c.qk_nope_dim], q[..., c.qk_nope_dim:]
+        q_nope, q_rope = q[..., : c.qk_nope_dim], q[..., c.qk_nope_dim :]
         if cos is not None:
             q_rope = apply_rope(q_rope, cos, sin)
         return q_nope, q_rope
@@ -84,14 +84,25 @@ class MLAttention(nnx.Module):
         c = self.config
         dt = jnp.dtype(c.dtype)
         ckv = jnp.einsum("btd,dr->btr", x, self.wkv_a[...].astype(dt))
-        latent = _rms_norm(ckv[..., :c.kv_lora_rank], self.kv_norm[...], c.norm_eps)
-        rope_key = ckv[..., c.kv_lora_rank:]
+        latent = _rms_norm(ckv[..., : c.kv_lora_rank], self.kv_norm[...], c.norm_eps)
+        rope_key = ckv[..., c.kv_lora_rank :]
         if cos is not None:
             rope_key = apply_rope(rope_key[:, :, None, :], cos, sin)[:, :, 0, :]
         return latent, rope_key
 
-    def __call__(self, x, *, cos, sin, visible, zero_after=None, layer_cache=None, starts=None,
-                 return_weights=False, query_block=0):
+    def __call__(
+        self,
+        x,
+        *,
+        cos,
+        sin,
+        visible,
+        zero_after=None,
+        layer_cache=None,
+        starts=None,
+        return_weights=False,
+        query_block=0,
+    ):
         """x: [B, T, D] -> (out [B, T, D], new layer cache or None, weights [B, N, T, S] or None).
         query_block is accepted for the Block interface and unused: MLA scores all keys in one block."""
         c = self.config
@@ -102,8 +113,10 @@ class MLAttention(nnx.Module):
             latent, rope_key, new_cache = latent_new, rope_new, None
         else:
             (cached_latent, cached_rope), layer = layer_cache  # [L, B, S, R], [L, B, S, Hr]
-            new_cache = (write_layer_rows(cached_latent, layer, latent_new, starts),
-                         write_layer_rows(cached_rope, layer, rope_new, starts))
+            new_cache = (
+                write_layer_rows(cached_latent, layer, latent_new, starts),
+                write_layer_rows(cached_rope, layer, rope_new, starts),
+            )
             latent, rope_key = new_cache[0][layer].astype(dt), new_cache[1][layer].astype(dt)  # [B, S, R], [B, S, Hr]
         wk_b, wv_b = self.wk_b[...].astype(dt), self.wv_b[...].astype(dt)
         scale = 1.0 / jnp.sqrt(jnp.float32(c.qk_nope_dim + c.rope_dim))

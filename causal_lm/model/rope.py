@@ -52,7 +52,7 @@ def apply_rope(x, cos, sin):
 
 def _sum_to(y, shape):
     """Sum y over the axes where `shape` (same rank) has size 1."""
-    axes = tuple(i for i, (a, b) in enumerate(zip(y.shape, shape)) if b == 1 and a != 1)
+    axes = tuple(i for i, (a, b) in enumerate(zip(y.shape, shape, strict=True)) if b == 1 and a != 1)
     return jnp.sum(y, axis=axes, keepdims=True) if axes else y
 
 

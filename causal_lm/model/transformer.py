@@ -6,8 +6,6 @@ compiled program (and compile time) does not grow with depth. `scan_layers=False
 
 from __future__ import annotations
 
-from typing import Optional
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,10 +58,17 @@ class Block(nnx.Module):
         self.mlp = MLP(c, rngs)
 
     def __call__(self, x, ctx: dict, layer_cache=None):
-        h, new_cache, weights = self.attn(self.attn_norm(x), cos=ctx["cos"], sin=ctx["sin"], visible=ctx["visible"],
-                                          zero_after=ctx["zero_after"], layer_cache=layer_cache,
-                                          starts=ctx["starts"], return_weights=ctx["return_weights"],
-                                          query_block=ctx["query_block"])
+        h, new_cache, weights = self.attn(
+            self.attn_norm(x),
+            cos=ctx["cos"],
+            sin=ctx["sin"],
+            visible=ctx["visible"],
+            zero_after=ctx["zero_after"],
+            layer_cache=layer_cache,
+            starts=ctx["starts"],
+            return_weights=ctx["return_weights"],
+            query_block=ctx["query_block"],
+        )
         x = x + h
         x = x + self.mlp(self.mlp_norm(x))
         return x, new_cache, weights
@@ -74,7 +79,8 @@ def _segment_positions(segment_ids):
     T = segment_ids.shape[1]
     idx = jnp.arange(T, dtype=jnp.int32)[None, :]
     boundary = jnp.concatenate(
-        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
+    )
     seg_start = jax.lax.cummax(jnp.where(boundary, idx, 0), axis=1)
     return idx - seg_start
 
@@ -116,7 +122,7 @@ class Decoder(nnx.Module):
             self.lm_head = _normal(rngs, (c.d_model, c.vocab_size), c.init_std, pd)
 
     # ---- public entry points -----------------------------------------------------------------------------
-    def __call__(self, tokens, *, positions=None, segment_ids=None, cache: Optional[KVCache] = None, layers=None):
+    def __call__(self, tokens, *, positions=None, segment_ids=None, cache: KVCache | None = None, layers=None):
         """tokens [B, T] int -> (logits [B, T, V] float32, new cache or None).
 
         positions: [B, T] ints; default 0..T-1 (restarting at each segment when segment_ids are given), or with
@@ -125,8 +131,9 @@ class Decoder(nnx.Module):
         (right padding) and segment_ids only marks which are valid. layers: `split_layers()` of this model, to
         run the blocks on weights sliced once by the caller (see there).
         """
-        logits, cache, _ = self.forward(tokens, positions=positions, segment_ids=segment_ids, cache=cache,
-                                        layers=layers)
+        logits, cache, _ = self.forward(
+            tokens, positions=positions, segment_ids=segment_ids, cache=cache, layers=layers
+        )
         return logits, cache
 
     def attention_weights(self, tokens, *, positions=None, segment_ids=None):
@@ -153,8 +160,10 @@ class Decoder(nnx.Module):
             raise InputError(f"tokens must be integers, got dtype {t.dtype}")
         if t.size and (t.min() < 0 or t.max() >= c.vocab_size):
             bad = np.argwhere((t < 0) | (t >= c.vocab_size))[0]
-            raise InputError(f"token id {int(t[tuple(bad)])} at [row {bad[0]}, position {bad[1]}] is outside "
-                             f"the vocabulary [0, {c.vocab_size})")
+            raise InputError(
+                f"token id {int(t[tuple(bad)])} at [row {bad[0]}, position {bad[1]}] is outside "
+                f"the vocabulary [0, {c.vocab_size})"
+            )
         for name, arr in (("positions", positions), ("segment_ids", segment_ids)):
             if arr is not None and tuple(np.shape(arr)) != t.shape:
                 raise InputError(f"{name} shape {np.shape(arr)} does not match tokens shape {t.shape}")
@@ -169,20 +178,36 @@ class Decoder(nnx.Module):
             lengths = np.asarray(cache.lengths)
             n_valid = t.shape[1] if segment_ids is None else np.asarray(segment_ids != 0).sum(1)
             if np.max(lengths + n_valid) > c.max_seq_len:
-                raise InputError(f"cached length + new tokens ({int(np.max(lengths + n_valid))}) exceeds "
-                                 f"model.max_seq_len={c.max_seq_len}")
+                raise InputError(
+                    f"cached length + new tokens ({int(np.max(lengths + n_valid))}) exceeds "
+                    f"model.max_seq_len={c.max_seq_len}"
+                )
             if positions is not None and not np.array_equal(
-                    np.asarray(positions), lengths[:, None] + np.arange(t.shape[1])[None]):
-                raise InputError("with a cache, positions must be each row's cached length + 0..T-1 "
-                                 "(slot index == position); leave positions=None")
+                np.asarray(positions), lengths[:, None] + np.arange(t.shape[1])[None]
+            ):
+                raise InputError(
+                    "with a cache, positions must be each row's cached length + 0..T-1 "
+                    "(slot index == position); leave positions=None"
+                )
         if positions is not None:
             p = np.asarray(positions)
             if p.size and (p.min() < 0 or p.max() >= c.max_seq_len):
-                raise InputError(f"positions must be in [0, max_seq_len={c.max_seq_len}), got range "
-                                 f"[{p.min()}, {p.max()}]")
+                raise InputError(
+                    f"positions must be in [0, max_seq_len={c.max_seq_len}), got range [{p.min()}, {p.max()}]"
+                )
 
-    def forward(self, tokens, *, positions=None, segment_ids=None, cache=None, return_weights=False,
-                input_embeddings=None, return_hidden=False, layers=None):
+    def forward(
+        self,
+        tokens,
+        *,
+        positions=None,
+        segment_ids=None,
+        cache=None,
+        return_weights=False,
+        input_embeddings=None,
+        return_hidden=False,
+        layers=None,
+    ):
         """(logits, new cache, weights). input_embeddings [B, T, D] replaces the token lookup (for gradient
         probes such as the no-leak test); tokens still give the shape. return_hidden=True appends the residual
         stream [L+1, B, T, D] (embeddings, then each block's output) as a fourth element."""
@@ -196,8 +221,11 @@ class Decoder(nnx.Module):
         query_block = 0
         if cache is None:
             if positions is None:
-                positions = (jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)) if segment_ids is None
-                             else _segment_positions(jnp.asarray(segment_ids)))
+                positions = (
+                    jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+                    if segment_ids is None
+                    else _segment_positions(jnp.asarray(segment_ids))
+                )
                 # Positions made here increase within each segment, so under the causal mask no key after a
                 # query's index is visible: attention may skip those blocks (same result, half the work).
                 query_block = causal_query_block(T) if c.attention_mask == "causal" else 0
@@ -233,9 +261,17 @@ class Decoder(nnx.Module):
         cos = sin = None
         if c.position == "rope":
             cos, sin = rope_tables(positions, c.rope_dim, c.rope_theta)
-        ctx = dict(cos=cos, sin=sin, visible=visible, zero_after=zero_after, starts=starts, query_block=query_block,
-                   return_weights=return_weights, return_hidden=return_hidden,
-                   masks=masks if len(set(windows)) > 1 else None)
+        ctx = dict(
+            cos=cos,
+            sin=sin,
+            visible=visible,
+            zero_after=zero_after,
+            starts=starts,
+            query_block=query_block,
+            return_weights=return_weights,
+            return_hidden=return_hidden,
+            masks=masks if len(set(windows)) > 1 else None,
+        )
 
         x0 = x
         x, new_kv, weights = self._run_blocks(x, ctx, None if cache is None else cache.buffers, layers)
@@ -296,7 +332,7 @@ class Decoder(nnx.Module):
         else:
             ws = []
             for i in range(c.num_layers):
-                carry, w = body(carry, jax.tree.map(lambda a: a[i], state) if layers is None else layers[i])
+                carry, w = body(carry, jax.tree.map(lambda a, i=i: a[i], state) if layers is None else layers[i])
                 ws.append(w)
             weights = None if ws[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *ws)
         x, kv, _ = carry

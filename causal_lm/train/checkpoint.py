@@ -22,7 +22,8 @@ Entry points for other code:
 from __future__ import annotations
 
 import os
-from typing import Any, Iterable, Optional, Union
+from collections.abc import Iterable
+from typing import Any
 
 import jax
 import numpy as np
@@ -53,8 +54,7 @@ def _abstract(tree):
     """The restore target: shapes, dtypes and, for arrays laid out on devices, their shardings. Orbax reads each
     array straight into the target's sharding, which is what restores a checkpoint onto a different mesh
     (or device count) than the one that saved it."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-                        tree)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
 
 
 def shape_mismatches(saved: dict, expected: dict) -> list[str]:
@@ -71,8 +71,11 @@ def shape_mismatches(saved: dict, expected: dict) -> list[str]:
 
 
 def _config_diff(saved: dict, current: dict) -> list[str]:
-    return [f"{k}: {saved.get(k)!r} -> {current.get(k)!r}" for k in sorted(set(saved) | set(current))
-            if saved.get(k) != current.get(k)]
+    return [
+        f"{k}: {saved.get(k)!r} -> {current.get(k)!r}"
+        for k in sorted(set(saved) | set(current))
+        if saved.get(k) != current.get(k)
+    ]
 
 
 class Checkpointer:
@@ -85,22 +88,31 @@ class Checkpointer:
         self.directory = os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
         if read_only and not os.path.isdir(self.directory):
             raise CheckpointError(f"no checkpoints in {workdir!r} (expected {self.directory}); train there first")
-        policy = cm.AnyPreservationPolicy([
-            cm.LatestN(keep),
-            cm.BestN(get_metric_fn=lambda m: m["val_loss"], reverse=True, n=1,  # reverse: keep the lowest
-                     keep_checkpoints_without_metrics=False)])
+        policy = cm.AnyPreservationPolicy(
+            [
+                cm.LatestN(keep),
+                cm.BestN(
+                    get_metric_fn=lambda m: m["val_loss"],
+                    reverse=True,
+                    n=1,  # reverse: keep the lowest
+                    keep_checkpoints_without_metrics=False,
+                ),
+            ]
+        )
         # (orbax's own read_only option only logs warnings; not saving is enough)
-        options = ocp.CheckpointManagerOptions(preservation_policy=policy, create=not read_only,
-                                               enable_async_checkpointing=True)
+        options = ocp.CheckpointManagerOptions(
+            preservation_policy=policy, create=not read_only, enable_async_checkpointing=True
+        )
         self._ocp = ocp
-        self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                             item_names=("params", "train_state", "meta"))
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=options, item_names=("params", "train_state", "meta")
+        )
 
     # ---- queries ---------------------------------------------------------------------------------------------
     def all_steps(self) -> list[int]:
         return list(self.manager.all_steps())
 
-    def latest_step(self) -> Optional[int]:
+    def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
     def read_meta(self, step: int) -> dict:
@@ -113,26 +125,36 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {step} in {self.directory} has no causal_lm metadata")
         return meta
 
-    def best_step(self) -> Optional[int]:
+    def best_step(self) -> int | None:
         """The kept step with the lowest validation loss (None if no kept step was evaluated)."""
-        scored = [(m["val_loss"], s) for s in self.all_steps()
-                  if (m := self.read_meta(s)).get("val_loss") is not None]
+        scored = [(m["val_loss"], s) for s in self.all_steps() if (m := self.read_meta(s)).get("val_loss") is not None]
         return min(scored)[1] if scored else None
 
     # ---- save / restore --------------------------------------------------------------------------------------
-    def save(self, step: int, params, meta: dict, train_state: Optional[dict] = None,
-             val_loss: Optional[float] = None) -> None:
+    def save(
+        self, step: int, params, meta: dict, train_state: dict | None = None, val_loss: float | None = None
+    ) -> None:
         """Start an asynchronous save of step `step` (arrays are copied first, so the caller may donate them)."""
         ocp = self._ocp
         params = _host_copy(params)
         items = {"params": ocp.args.StandardSave(params)}
         if train_state is not None:
             items["train_state"] = ocp.args.StandardSave(_host_copy(train_state))
-        meta = dict(meta, step=step, val_loss=val_loss, has_train_state=train_state is not None,
-                    param_shapes=param_shapes(params), version=META_VERSION)
+        meta = dict(
+            meta,
+            step=step,
+            val_loss=val_loss,
+            has_train_state=train_state is not None,
+            param_shapes=param_shapes(params),
+            version=META_VERSION,
+        )
         items["meta"] = ocp.args.JsonSave(meta)
-        self.manager.save(step, args=ocp.args.Composite(**items),
-                          metrics=None if val_loss is None else {"val_loss": float(val_loss)}, force=True)
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(**items),
+            metrics=None if val_loss is None else {"val_loss": float(val_loss)},
+            force=True,
+        )
 
     def restore(self, step: int, abstract_params, abstract_train_state=None) -> tuple[Any, Any, dict]:
         """(params, train_state or None, meta) of `step`, after checking every parameter's shape."""
@@ -142,7 +164,8 @@ class Checkpointer:
         if bad:
             raise CheckpointError(
                 f"checkpoint {step} in {self.directory} does not fit this model; parameters that differ:\n"
-                + "\n".join(bad))
+                + "\n".join(bad)
+            )
         items = {"params": ocp.args.StandardRestore(_abstract(abstract_params))}
         want_state = abstract_train_state is not None and meta.get("has_train_state")
         if want_state:
@@ -150,8 +173,9 @@ class Checkpointer:
         try:
             out = self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:
-            raise CheckpointError(f"cannot restore checkpoint {step} from {self.directory}: "
-                                  f"{type(e).__name__}: {e}") from None
+            raise CheckpointError(
+                f"cannot restore checkpoint {step} from {self.directory}: {type(e).__name__}: {e}"
+            ) from None
         return out["params"], out["train_state"] if want_state else None, meta
 
     def wait(self) -> None:
@@ -166,8 +190,9 @@ class Checkpointer:
 def check_model_config(meta: dict, config: Config, step: int, directory: str) -> list[str]:
     """Raise if the checkpoint's parameter shapes do not fit `config`'s model; return the model-config fields that
     differ without changing shapes (e.g. remat, dtype) for the caller to report."""
-    from causal_lm.model import build_model
     from flax import nnx
+
+    from causal_lm.model import build_model
 
     saved_model = meta["config"]["model"]
     current = config_to_dict(config)["model"]
@@ -180,14 +205,18 @@ def check_model_config(meta: dict, config: Config, step: int, directory: str) ->
     if bad:
         raise CheckpointError(
             f"checkpoint {step} in {directory} was written by a different architecture; parameters that differ:\n"
-            + "\n".join(bad) + "\nmodel config differences (checkpoint -> now): " + "; ".join(diff)
-            + "\nUse a new --workdir for a new architecture.")
+            + "\n".join(bad)
+            + "\nmodel config differences (checkpoint -> now): "
+            + "; ".join(diff)
+            + "\nUse a new --workdir for a new architecture."
+        )
     return diff
 
 
 # ---- inference -------------------------------------------------------------------------------------------
 
-def _pick_step(ckpt: Checkpointer, step: Union[None, int, str], workdir: str) -> int:
+
+def _pick_step(ckpt: Checkpointer, step: None | int | str, workdir: str) -> int:
     steps = ckpt.all_steps()
     if not steps:
         raise CheckpointError(f"no checkpoints in {workdir!r}: train there first (causal-lm train --workdir ...)")
@@ -201,7 +230,7 @@ def _pick_step(ckpt: Checkpointer, step: Union[None, int, str], workdir: str) ->
     return int(step)
 
 
-def restore_params(workdir: str, model, step: Union[None, int, str] = None):
+def restore_params(workdir: str, model, step: None | int | str = None):
     """Load the weights of `workdir`'s checkpoint (latest, "best" or a step) into `model` in place, e.g. to
     evaluate one model's weights under another mask config. Shapes must match (error names those that don't).
     Returns the checkpoint's metadata."""
@@ -219,8 +248,7 @@ def restore_params(workdir: str, model, step: Union[None, int, str] = None):
     return meta
 
 
-def load_for_inference(workdir: str, step: Union[None, int, str] = None, overrides: Iterable[str] = (),
-                       mesh=None):
+def load_for_inference(workdir: str, step: None | int | str = None, overrides: Iterable[str] = (), mesh=None):
     """(model, tokenizer, config) from a workdir: the latest checkpoint, or `step` ("best" or a number).
 
     overrides: config `key=value` strings applied to the saved config before the model is built (settings that
@@ -263,16 +291,21 @@ def save_for_inference(workdir: str, model, config: Config, tokenizer, step: int
     from flax import nnx
 
     if tokenizer.vocab_size > model.config.vocab_size:
-        raise CheckpointError(f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary is "
-                              f"{model.config.vocab_size}: ids past it would be clamped silently")
+        raise CheckpointError(
+            f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary is "
+            f"{model.config.vocab_size}: ids past it would be clamped silently"
+        )
     if config.model != model.config:
         config = Config(model=model.config, data=config.data, train=config.train, mesh=config.mesh)
     os.makedirs(workdir, exist_ok=True)
     write_workdir_files(workdir, config, tokenizer)
     ckpt = Checkpointer(workdir, keep=max(config.train.keep_checkpoints, 1))
     try:
-        ckpt.save(step, nnx.to_pure_dict(nnx.state(model, nnx.Param)),
-                  {"config": config_to_dict(config), "tokenizer": tokenizer.to_dict(), "data_state": None})
+        ckpt.save(
+            step,
+            nnx.to_pure_dict(nnx.state(model, nnx.Param)),
+            {"config": config_to_dict(config), "tokenizer": tokenizer.to_dict(), "data_state": None},
+        )
     finally:
         ckpt.close()
     return os.path.join(ckpt.directory, str(step))

@@ -15,7 +15,6 @@ import functools
 import json
 import os
 import time
-from typing import Optional
 
 import numpy as np
 
@@ -86,10 +85,11 @@ def peak_flops(dtype: str = "float32") -> tuple[float, str]:
     while reps < 3 or time.perf_counter() - t0 < 0.3:
         f(a).block_until_ready()
         reps += 1
-    return 2 * n ** 3 * reps / (time.perf_counter() - t0), f"measured {n}x{n} {dtype} matmul"
+    return 2 * n**3 * reps / (time.perf_counter() - t0), f"measured {n}x{n} {dtype} matmul"
 
 
 # ---- metrics files -----------------------------------------------------------------------------------------
+
 
 class MetricsWriter:
     """One JSON object per logged step in `workdir/metrics.jsonl`, and TensorBoard scalars in `workdir/tb`.
@@ -123,8 +123,7 @@ class MetricsWriter:
                 if k == "step":
                     continue
                 if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self._tb.add_scalar(k if "/" in k else ("eval/" if k.startswith("val_") else "train/") + k,
-                                        v, step)
+                    self._tb.add_scalar(k if "/" in k else ("eval/" if k.startswith("val_") else "train/") + k, v, step)
                 elif isinstance(v, str) and k == "sample":
                     self._tb.add_text("sample", v, step)
             self._tb.flush()
@@ -150,7 +149,7 @@ def read_metrics(workdir: str) -> list[dict]:
     return out
 
 
-def plot_metrics(workdir: str, out: Optional[str] = None) -> str:
+def plot_metrics(workdir: str, out: str | None = None) -> str:
     """Loss curves (train loss and validation loss against step, learning rate below) as a PNG; returns its
     path (default `workdir/loss.png`)."""
     import matplotlib
@@ -167,15 +166,15 @@ def plot_metrics(workdir: str, out: Optional[str] = None) -> str:
     lr = [(r["step"], r["lr"]) for r in records if "lr" in r]
     fig, (ax, ax_lr) = plt.subplots(2, 1, figsize=(8, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     if train:
-        ax.plot(*zip(*train), label="train loss")
+        ax.plot(*zip(*train, strict=True), label="train loss")
     if val:
-        ax.plot(*zip(*val), "o-", label="validation loss")
+        ax.plot(*zip(*val, strict=True), "o-", label="validation loss")
     ax.set_ylabel("loss (nats / token)")
     ax.set_title(f"{os.path.basename(os.path.abspath(workdir))}: loss")
     ax.grid(alpha=0.3)
     ax.legend()
     if lr:
-        ax_lr.plot(*zip(*lr), color="gray")
+        ax_lr.plot(*zip(*lr, strict=True), color="gray")
     ax_lr.set_ylabel("learning rate")
     ax_lr.set_xlabel("step")
     ax_lr.grid(alpha=0.3)
