@@ -42,14 +42,14 @@ given explicitly). Each host feeds only the batch rows its own devices hold (`pr
 
 from __future__ import annotations
 
-import functools
 import math
 import os
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from causal_lm.config import ConfigError, MeshConfig
 
@@ -112,31 +112,36 @@ class MeshError(ConfigError):
 
 # ---- the mesh ----------------------------------------------------------------------------------------------
 
-def mesh_shape(mesh_config: Optional[MeshConfig] = None, num_devices: Optional[int] = None) -> tuple:
+
+def mesh_shape(mesh_config: MeshConfig | None = None, num_devices: int | None = None) -> tuple:
     """(data, fsdp, tensor) sizes for `num_devices` (default: all devices), resolving the one -1."""
     mc = mesh_config or MeshConfig()
     n = jax.device_count() if num_devices is None else num_devices
     sizes = [mc.data, mc.fsdp, mc.tensor]
-    for name, s in zip(AXES, sizes):
+    for name, s in zip(AXES, sizes, strict=True):
         if not isinstance(s, int) or (s < 1 and s != -1):
             raise MeshError(f"mesh.{name} must be a positive integer or -1 (the rest of the devices), got {s!r}")
     rest = [i for i, s in enumerate(sizes) if s == -1]
     if len(rest) > 1:
-        raise MeshError(f"only one of mesh.data/fsdp/tensor may be -1, got {dict(zip(AXES, sizes))}")
+        raise MeshError(f"only one of mesh.data/fsdp/tensor may be -1, got {dict(zip(AXES, sizes, strict=True))}")
     fixed = math.prod(s for s in sizes if s != -1)
     if rest:
         if n % fixed:
-            raise MeshError(f"the mesh does not fit {n} device(s): "
-                            + " x ".join(f"mesh.{a}={s}" for a, s in zip(AXES, sizes) if s != -1)
-                            + f" = {fixed} does not divide {n}")
+            raise MeshError(
+                f"the mesh does not fit {n} device(s): "
+                + " x ".join(f"mesh.{a}={s}" for a, s in zip(AXES, sizes, strict=True) if s != -1)
+                + f" = {fixed} does not divide {n}"
+            )
         sizes[rest[0]] = n // fixed
     if math.prod(sizes) != n:
-        raise MeshError(f"mesh {dict(zip(AXES, sizes))} needs {math.prod(sizes)} devices but {n} are available; "
-                        "set one of mesh.data/fsdp/tensor to -1 to take the rest")
+        raise MeshError(
+            f"mesh {dict(zip(AXES, sizes, strict=True))} needs {math.prod(sizes)} devices but {n} are available; "
+            "set one of mesh.data/fsdp/tensor to -1 to take the rest"
+        )
     return tuple(sizes)
 
 
-def make_mesh(mesh_config: Optional[MeshConfig] = None, devices: Optional[Sequence] = None) -> Mesh:
+def make_mesh(mesh_config: MeshConfig | None = None, devices: Sequence | None = None) -> Mesh:
     """A ("data", "fsdp", "tensor") mesh over `devices` (default: every device of every process).
 
     Device order comes from `jax.make_mesh`, which lays the axes out along the physical topology on TPU/GPU
@@ -148,13 +153,13 @@ def make_mesh(mesh_config: Optional[MeshConfig] = None, devices: Optional[Sequen
     return jax.make_mesh(shape, AXES, axis_types=auto, devices=devices)
 
 
-def training_mesh(mesh_config: Optional[MeshConfig] = None) -> Optional[Mesh]:
+def training_mesh(mesh_config: MeshConfig | None = None) -> Mesh | None:
     """The mesh training runs on, or None on a single device (the unsharded code path, exactly as before)."""
     mesh = make_mesh(mesh_config)
     return None if mesh.size == 1 else mesh
 
 
-def describe(mesh: Optional[Mesh]) -> str:
+def describe(mesh: Mesh | None) -> str:
     if mesh is None:
         return f"1 device ({jax.devices()[0].platform})"
     sizes = ", ".join(f"{a}={mesh.shape[a]}" for a in AXES)
@@ -162,7 +167,7 @@ def describe(mesh: Optional[Mesh]) -> str:
     return f"mesh {sizes} over {mesh.size} {mesh.devices.flat[0].platform} devices{procs}"
 
 
-def mesh_of(tree) -> Optional[Mesh]:
+def mesh_of(tree) -> Mesh | None:
     """The mesh a pytree of arrays is laid out on (None when it sits on one device)."""
     for leaf in jax.tree.leaves(tree):
         s = getattr(leaf, "sharding", None)
@@ -172,6 +177,7 @@ def mesh_of(tree) -> Optional[Mesh]:
 
 
 # ---- partition rules ---------------------------------------------------------------------------------------
+
 
 def _axis_size(mesh, axis: str) -> int:
     return dict(mesh.shape).get(axis, 1)
@@ -189,12 +195,14 @@ def _fit(dim: int, candidates: tuple, mesh, used: set):
     return None
 
 
-def logical_spec(logical: Sequence[Optional[str]], shape: Sequence[int], mesh) -> P:
+def logical_spec(logical: Sequence[str | None], shape: Sequence[int], mesh) -> P:
     """PartitionSpec of an array with these logical axes (see LOGICAL_AXES) on `mesh`, leaving undivisible
     dimensions replicated. `mesh` may be a Mesh or an AbstractMesh (only its axis sizes are read)."""
     used: set = set()
-    parts = [None if name is None else _fit(int(d), LOGICAL_AXES[name], mesh, used)
-             for name, d in zip(logical, shape)]
+    parts = [
+        None if name is None else _fit(int(d), LOGICAL_AXES[name], mesh, used)
+        for name, d in zip(logical, shape, strict=True)
+    ]
     while parts and parts[-1] is None:
         parts.pop()
     return P(*parts)
@@ -210,7 +218,7 @@ def _names(path) -> list:
     return out
 
 
-def param_logical_axes(path, shape) -> Optional[tuple]:
+def param_logical_axes(path, shape) -> tuple | None:
     """Logical axes of the parameter (or optimizer-state leaf) at `path` with `shape`, or None when no rule
     applies (then it is replicated). The parameter is found by the innermost path name that has a rule, so the
     same rule serves a pure param dict, an nnx.State and the optax state built over the params."""
@@ -235,7 +243,8 @@ def tree_shardings(tree, mesh: Mesh):
     """A NamedSharding for every array leaf of `tree` (params, an optax state, a TrainState, an nnx.State):
     by the partition rules, replicated where none applies (scalars, RNG keys, step counters)."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: NamedSharding(mesh, param_spec(path, np.shape(x), mesh)), tree)
+        lambda path, x: NamedSharding(mesh, param_spec(path, np.shape(x), mesh)), tree
+    )
 
 
 def unmatched_params(params) -> list[str]:
@@ -250,11 +259,10 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 def batch_sharding(mesh: Mesh, batch_size: int, ndim: int = 2) -> NamedSharding:
     """[B, ...] split over data x fsdp (or the part of it that divides B)."""
-    return NamedSharding(mesh, logical_spec(("batch",) + (None,) * (ndim - 1), (batch_size,) + (1,) * (ndim - 1),
-                                            mesh))
+    return NamedSharding(mesh, logical_spec(("batch",) + (None,) * (ndim - 1), (batch_size,) + (1,) * (ndim - 1), mesh))
 
 
-def batch_split(mesh: Optional[Mesh], batch_size: int) -> int:
+def batch_split(mesh: Mesh | None, batch_size: int) -> int:
     """How many ways a batch of `batch_size` rows is split on `mesh` (1 on one device)."""
     if mesh is None:
         return 1
@@ -266,6 +274,7 @@ def batch_split(mesh: Optional[Mesh], batch_size: int) -> int:
 
 def cache_shardings(cache, mesh: Mesh):
     """Shardings of a KVCache / MLACache: batch over data x fsdp, K/V heads over tensor (where they divide)."""
+
     def one(path, x):
         names = _names(path)
         logical = CACHE_AXES.get(names[-1]) if names else None
@@ -276,54 +285,21 @@ def cache_shardings(cache, mesh: Mesh):
     return jax.tree_util.tree_map_with_path(one, cache)
 
 
-def train_state_shardings(model_config, train_config, mesh: Mesh):
-    """(TrainState of shardings, shardings of the non-parameter model state) for a model and optimizer, from
-    their abstract shapes (nothing is allocated)."""
-    from flax import nnx
-
-    from causal_lm.model import build_model
-    from causal_lm.train.state import init_train_state, make_optimizer, split_params
-
-    _, params, rest = split_params(nnx.eval_shape(lambda: build_model(model_config, 0)))
-    abstract = jax.eval_shape(lambda p: init_train_state(p, make_optimizer(train_config), 0), params)
-    return tree_shardings(abstract, mesh), tree_shardings(rest, mesh)
-
-
-def init_train_state(model_config, train_config, seed: int, mesh: Mesh):
-    """(graphdef, TrainState, rest) initialised directly in their shardings: no device ever holds the whole
-    model. Values equal the single-device `init_params` + `init_train_state` (JAX's threefry RNG is
-    partitionable: a sharded draw gives the same numbers)."""
-    from flax import nnx
-
-    from causal_lm.model import build_model
-    from causal_lm.train.state import split_params
-
-    graphdef = split_params(nnx.eval_shape(lambda: build_model(model_config, 0)))[0]
-    # Only whether clipping is on shapes the optimizer state (as in train/step.py): one compiled init per model.
-    structure = type(train_config)(grad_clip=1.0 if train_config.grad_clip > 0 else 0.0)
-    state, rest = _sharded_init(model_config, structure, seed, mesh)(jax.random.key(seed))
-    return graphdef, state, rest
-
-
-@functools.lru_cache(maxsize=8)
-def _sharded_init(model_config, train_config, seed: int, mesh: Mesh):
-    from causal_lm.model import build_model
-    from causal_lm.train import state as st
-
-    def init(key):
-        _, params, rest = st.split_params(build_model(model_config, key))
-        return st.init_train_state(params, st.make_optimizer(train_config), seed), rest
-
-    return jax.jit(init, out_shardings=train_state_shardings(model_config, train_config, mesh))
-
-
 def shard_tree(tree, shardings):
     """Place (or re-lay) `tree` in `shardings`. Arrays already there are returned as they are. With several
     processes, arrays held by this process alone go through host memory (each process must hold the same
     values; JAX checks): device_put only moves arrays that already span the processes."""
     if jax.process_count() > 1:
-        tree = jax.tree.map(lambda x: np.asarray(x) if isinstance(x, jax.Array) and x.is_fully_addressable
-                            and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x, tree)
+        tree = jax.tree.map(
+            lambda x: (
+                np.asarray(x)
+                if isinstance(x, jax.Array)
+                and x.is_fully_addressable
+                and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+                else x
+            ),
+            tree,
+        )
     return jax.device_put(tree, shardings)
 
 
@@ -334,6 +310,7 @@ def replicate(x, mesh: Mesh):
 
 
 # ---- batches -----------------------------------------------------------------------------------------------
+
 
 def process_rows(mesh: Mesh, batch_size: int) -> np.ndarray:
     """The global batch rows this process's devices hold (sorted), i.e. the rows its data loader must read."""
@@ -349,13 +326,15 @@ def shard_local_batch(batch: dict, mesh: Mesh, batch_size: int) -> dict:
     sharding = batch_sharding(mesh, batch_size)
     if jax.process_count() == 1:  # this process holds every row
         return jax.device_put(batch, sharding)
-    return {k: jax.make_array_from_process_local_data(sharding, v, (batch_size,) + v.shape[1:])
-            for k, v in batch.items()}
+    return {
+        k: jax.make_array_from_process_local_data(sharding, v, (batch_size,) + v.shape[1:]) for k, v in batch.items()
+    }
 
 
 def shard_global_batch(batch: dict, mesh: Mesh) -> dict:
     """Global arrays from a batch every process holds whole (evaluation batches, prompts); each process only
     copies the rows its devices hold."""
+
     def one(x):
         x = np.asarray(x)
         sharding = batch_sharding(mesh, x.shape[0], x.ndim) if x.ndim else replicated(mesh)
@@ -366,14 +345,15 @@ def shard_global_batch(batch: dict, mesh: Mesh) -> dict:
 
 # ---- multi-host ---------------------------------------------------------------------------------------------
 
-def _env_int(name: str) -> Optional[int]:
+
+def _env_int(name: str) -> int | None:
     try:
         return int(os.environ[name])
     except (KeyError, ValueError):
         return None
 
 
-def detect_launcher() -> Optional[str]:
+def detect_launcher() -> str | None:
     """The multi-process launcher this process runs under ("slurm", "openmpi", "tpu", "env"), or None."""
     env = os.environ
     if env.get("JAX_COORDINATOR_ADDRESS") and _env_int("JAX_NUM_PROCESSES") not in (None, 1):
@@ -390,8 +370,13 @@ def detect_launcher() -> Optional[str]:
     return None
 
 
-def initialize_distributed(coordinator: Optional[str] = None, num_processes: Optional[int] = None,
-                           process_id: Optional[int] = None, *, auto: bool = False) -> bool:
+def initialize_distributed(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    auto: bool = False,
+) -> bool:
     """Connect this process to the others with `jax.distributed.initialize` when there are others.
 
     Explicit: `coordinator` ("host:port" of process 0), `num_processes`, `process_id` (the `causal-lm train
@@ -407,25 +392,28 @@ def initialize_distributed(coordinator: Optional[str] = None, num_processes: Opt
     explicit = [coordinator, num_processes, process_id]
     if any(v is not None for v in explicit):
         if any(v is None for v in explicit):
-            raise MeshError("--coordinator, --num-processes and --process-id go together (got "
-                            f"coordinator={coordinator!r}, num_processes={num_processes!r}, "
-                            f"process_id={process_id!r})")
+            raise MeshError(
+                "--coordinator, --num-processes and --process-id go together (got "
+                f"coordinator={coordinator!r}, num_processes={num_processes!r}, "
+                f"process_id={process_id!r})"
+            )
         if not 0 <= process_id < num_processes:
             raise MeshError(f"--process-id must be in [0, {num_processes}), got {process_id}")
         if num_processes == 1:
             return False
         _cpu_collectives()
-        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                                   process_id=process_id)
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes, process_id=process_id)
         return True
     launcher = detect_launcher()
     if launcher is None and not auto:
         return False
     _cpu_collectives()
     if launcher == "env":
-        jax.distributed.initialize(coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
-                                   num_processes=_env_int("JAX_NUM_PROCESSES"),
-                                   process_id=_env_int("JAX_PROCESS_ID"))
+        jax.distributed.initialize(
+            coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
+            num_processes=_env_int("JAX_NUM_PROCESSES"),
+            process_id=_env_int("JAX_PROCESS_ID"),
+        )
     else:
         jax.distributed.initialize()
     return True
@@ -442,4 +430,3 @@ def _cpu_collectives() -> None:
 def is_main_process() -> bool:
     """Process 0: the one that writes logs, metrics and workdir files."""
     return jax.process_index() == 0
-

@@ -25,7 +25,13 @@ from causal_lm.data.tokenizer import tokenizer_from_spec  # noqa: E402
 from causal_lm.decode import generate  # noqa: E402
 from causal_lm.model import build_model  # noqa: E402
 from causal_lm.train import Checkpointer, load_for_inference, read_metrics, train_and_evaluate  # noqa: E402
-from causal_lm.train.state import init_params, init_train_state, make_optimizer  # noqa: E402
+from causal_lm.train.state import (  # noqa: E402
+    init_params,
+    init_sharded_train_state,
+    init_train_state,
+    make_optimizer,
+    train_state_shardings,
+)
 from causal_lm.train.step import compiled_train_step  # noqa: E402
 
 MESHES = [(8, 1, 1), (4, 2, 1), (2, 2, 2), (1, 8, 1)]
@@ -61,8 +67,10 @@ def batches(n: int = 2):
 
 
 def max_diff(a, b) -> float:
-    return max(float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
-               for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    return max(
+        float(np.max(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64))))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
 
 
 def spec(x) -> str:
@@ -74,7 +82,7 @@ def train_steps(mc: ModelConfig, mesh, data):
     graphdef, params, rest = init_params(mc, 0)
     state = init_train_state(params, make_optimizer(TRAIN), 0)
     if mesh is not None:
-        state = parallel.shard_tree(state, parallel.train_state_shardings(mc, TRAIN, mesh)[0])
+        state = parallel.shard_tree(state, train_state_shardings(mc, TRAIN, mesh)[0])
     step = compiled_train_step(mc, TRAIN, graphdef, mesh)
     losses = []
     for b in data:
@@ -99,18 +107,20 @@ def case_train_steps(out: dict) -> dict:
                 "loss_diff": float(np.max(np.abs(np.array(losses) - ref_losses))),
                 "param_diff": max_diff(jax.device_get(state.params), ref_host[0]),
                 "opt_diff": max_diff(jax.device_get(state.opt_state), ref_host[1]),
-                "losses": losses, "ref_losses": ref_losses,
+                "losses": losses,
+                "ref_losses": ref_losses,
                 "wq_spec": spec(state.params["blocks"]["attn"]["wq"]),
                 "wk_spec": spec(state.params["blocks"]["attn"]["wk"]),
                 "embed_spec": spec(state.params["embed"]),
                 "mu_wq_spec": spec(state.opt_state[1][0].mu["blocks"]["attn"]["wq"]),
-                "devices": len(state.params["embed"].sharding.device_set)}
+                "devices": len(state.params["embed"].sharding.device_set),
+            }
             if kind == "gqa" and shape == (4, 2, 1):
                 kept = {"state": state, "ref": ref_host, "config": mc}
     # Initialising straight into the shardings gives the same numbers as on one device.
     mc = model_config("gqa")
     _, ref_params, _ = init_params(mc, 0)
-    _, state, _ = parallel.init_train_state(mc, TRAIN, 0, parallel.make_mesh(MeshConfig(2, 2, 2)))
+    _, state, _ = init_sharded_train_state(mc, TRAIN, 0, parallel.make_mesh(MeshConfig(2, 2, 2)))
     out["sharded_init_diff"] = max_diff(jax.device_get(state.params), jax.device_get(ref_params))
     out["sharded_init_wq_spec"] = spec(state.params["blocks"]["attn"]["wq"])
     return kept
@@ -126,8 +136,7 @@ def case_generate(out: dict) -> None:
         graphdef, state = nnx.split(model)
         sharded = nnx.merge(graphdef, parallel.shard_tree(state, parallel.tree_shardings(state, mesh)))
         got = generate(sharded, prompts, max_new_tokens=6).tokens
-        out[f"generate/{kind}/{shape}"] = {"ref": ref, "got": got,
-                                           "wk_spec": spec(sharded.blocks.attn.wk[...])}
+        out[f"generate/{kind}/{shape}"] = {"ref": ref, "got": got, "wk_spec": spec(sharded.blocks.attn.wk[...])}
 
 
 def case_checkpoint(out: dict, kept: dict, workdir: str) -> None:
@@ -141,41 +150,66 @@ def case_checkpoint(out: dict, kept: dict, workdir: str) -> None:
     ckpt.close()
 
     def on(shape, n):
-        return lambda tree: parallel.tree_shardings(tree, parallel.make_mesh(MeshConfig(*shape),
-                                                                             devices=jax.devices()[:n]))
+        return lambda tree: parallel.tree_shardings(
+            tree, parallel.make_mesh(MeshConfig(*shape), devices=jax.devices()[:n])
+        )
 
-    targets = {"one_device": lambda tree: jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), tree),
-               "mesh_211": on((2, 1, 1), 2), "mesh_121": on((1, 2, 1), 2)}
+    targets = {
+        "one_device": lambda tree: jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), tree),
+        "mesh_211": on((2, 1, 1), 2),
+        "mesh_121": on((1, 2, 1), 2),
+    }
     for name, shardings_of in targets.items():
         abstract = (state.params, {k: getattr(state, k) for k in STATE_KEYS})
-        abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                                abstract, shardings_of(abstract))
+        abstract = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings_of(abstract)
+        )
         reader = Checkpointer(workdir, read_only=True)
         params, train_state, _ = reader.restore(2, abstract[0], abstract[1])
         reader.close()
         restored = (params, train_state)
-        exact = all(np.array_equal(np.asarray(a), np.asarray(b))
-                    for a, b in zip(jax.tree.leaves(jax.device_get(restored)), jax.tree.leaves(saved)))
+        exact = all(
+            np.array_equal(np.asarray(a), np.asarray(b))
+            for a, b in zip(jax.tree.leaves(jax.device_get(restored)), jax.tree.leaves(saved), strict=True)
+        )
         out[f"restore/{name}"] = {
-            "exact": exact, "leaves": len(jax.tree.leaves(restored)),
+            "exact": exact,
+            "leaves": len(jax.tree.leaves(restored)),
             "devices": sorted({len(x.sharding.device_set) for x in jax.tree.leaves(restored)}),
-            "wq_spec": str(getattr(params["blocks"]["attn"]["wq"].sharding, "spec", None))}
+            "wq_spec": str(getattr(params["blocks"]["attn"]["wq"].sharding, "spec", None)),
+        }
 
     mesh2 = parallel.make_mesh(MeshConfig(2, 1, 1), devices=jax.devices()[:2])
     model, _, _ = load_for_inference(workdir, mesh=mesh2)
     loaded = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     out["load_for_inference/mesh_211"] = {
-        "exact": all(np.array_equal(np.asarray(a), np.asarray(b))
-                     for a, b in zip(jax.tree.leaves(jax.device_get(loaded)), jax.tree.leaves(saved[0]))),
-        "devices": sorted({len(x.sharding.device_set) for x in jax.tree.leaves(loaded)})}
+        "exact": all(
+            np.array_equal(np.asarray(a), np.asarray(b))
+            for a, b in zip(jax.tree.leaves(jax.device_get(loaded)), jax.tree.leaves(saved[0]), strict=True)
+        ),
+        "devices": sorted({len(x.sharding.device_set) for x in jax.tree.leaves(loaded)}),
+    }
 
 
 def case_loop(out: dict, root: str) -> None:
     """The training loop on a mesh, and a resume onto a different mesh shape equal to the uninterrupted run."""
-    base = ["model.d_model=32", "model.num_layers=1", "model.mlp_dim=64", "model.max_seq_len=32",
-            "data.max_documents=40", "train.batch_size=8", "train.seq_len=16", "train.eval_batches=1",
-            "train.log_every=1", "train.eval_every=2", "train.checkpoint_every=2", "train.min_lr_ratio=1.0",
-            "train.warmup_steps=1", "train.sample_tokens=0", "train.progress=false"]
+    base = [
+        "model.d_model=32",
+        "model.num_layers=1",
+        "model.mlp_dim=64",
+        "model.max_seq_len=32",
+        "data.max_documents=40",
+        "train.batch_size=8",
+        "train.seq_len=16",
+        "train.eval_batches=1",
+        "train.log_every=1",
+        "train.eval_every=2",
+        "train.checkpoint_every=2",
+        "train.min_lr_ratio=1.0",
+        "train.warmup_steps=1",
+        "train.sample_tokens=0",
+        "train.progress=false",
+    ]
     straight, resumed = os.path.join(root, "straight"), os.path.join(root, "resumed")
     train_and_evaluate(load_config("tiny", base + ["train.steps=4", "mesh.fsdp=2"]), straight)
     train_and_evaluate(load_config("tiny", base + ["train.steps=2", "mesh.fsdp=2"]), resumed)
@@ -189,10 +223,13 @@ def case_loop(out: dict, root: str) -> None:
 
     pa, _ = params_of(straight)
     pb, _ = params_of(resumed)
-    out["loop"] = {"steps": [r["step"] for r in b], "losses": [r["loss"] for r in a],
-                   "loss_diff": max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b)),
-                   "val_diff": max(abs(x["val_loss"] - y["val_loss"]) for x, y in zip(a, b) if "val_loss" in x),
-                   "param_diff": max_diff(pa, pb)}
+    out["loop"] = {
+        "steps": [r["step"] for r in b],
+        "losses": [r["loss"] for r in a],
+        "loss_diff": max(abs(x["loss"] - y["loss"]) for x, y in zip(a, b, strict=True)),
+        "val_diff": max(abs(x["val_loss"] - y["val_loss"]) for x, y in zip(a, b, strict=True) if "val_loss" in x),
+        "param_diff": max_diff(pa, pb),
+    }
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ import os
 import shutil
 import sys
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -34,7 +34,13 @@ from causal_lm.data.tokenizer import tokenizer_from_dict
 from causal_lm.train.checkpoint import CHECKPOINT_DIR, Checkpointer, check_model_config, write_workdir_files
 from causal_lm.train.evaluate import evaluate_split, sample_text
 from causal_lm.train.metrics import MetricsWriter, peak_flops, train_flops_per_token
-from causal_lm.train.state import init_params, init_train_state, make_optimizer
+from causal_lm.train.state import (
+    init_params,
+    init_sharded_train_state,
+    init_train_state,
+    make_optimizer,
+    train_state_shardings,
+)
 from causal_lm.train.step import compiled_train_step
 
 
@@ -58,8 +64,7 @@ def resolve_config(config: Config, tokenizer=None) -> Config:
 
 def _log_steps(t) -> Callable[[int], bool]:
     # Checkpoint steps are log steps too, so a resumed run's logging intervals line up with an uninterrupted run's.
-    return lambda s: (s % t.log_every == 0 or s % t.eval_every == 0 or s % t.checkpoint_every == 0
-                      or s == t.steps)
+    return lambda s: s % t.log_every == 0 or s % t.eval_every == 0 or s % t.checkpoint_every == 0 or s == t.steps
 
 
 class _NoWriter:
@@ -83,8 +88,16 @@ class _Console:
 
             # A terminal that reports no width (some ptys) would get an empty bar: use 100 columns there.
             sized = shutil.get_terminal_size((0, 0)).columns > 0
-            self.bar = tqdm(total=total, initial=initial, desc="train", unit="step", dynamic_ncols=sized,
-                            ncols=None if sized else 100, nrows=None if sized else 20, file=sys.stderr)
+            self.bar = tqdm(
+                total=total,
+                initial=initial,
+                desc="train",
+                unit="step",
+                dynamic_ncols=sized,
+                ncols=None if sized else 100,
+                nrows=None if sized else 20,
+                file=sys.stderr,
+            )
 
     def print(self, text: str) -> None:
         if not self.enabled:
@@ -100,19 +113,22 @@ class _Console:
 
     def status(self, record: dict) -> None:
         if self.bar is not None:
-            self.bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record.get('tokens_per_s', 0):,.0f}",
-                                 refresh=False)
+            self.bar.set_postfix(
+                loss=f"{record['loss']:.3f}", tok_s=f"{record.get('tokens_per_s', 0):,.0f}", refresh=False
+            )
         elif "val_loss" not in record:  # an eval step already printed its line
-            self.print(f"step {record['step']}: loss {record['loss']:.4f}, "
-                       f"{record.get('tokens_per_s', 0):,.0f} tokens/s")
+            self.print(
+                f"step {record['step']}: loss {record['loss']:.4f}, {record.get('tokens_per_s', 0):,.0f} tokens/s"
+            )
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
 
 
-def train_and_evaluate(config: Config, workdir: str, *,
-                       callback: Optional[Callable[[str, int, dict], None]] = None) -> dict:
+def train_and_evaluate(
+    config: Config, workdir: str, *, callback: Callable[[str, int, dict], None] | None = None
+) -> dict:
     """Train `config` in `workdir` (resuming from its latest checkpoint, if any) and return the last record
     written to metrics.jsonl, with the last validation metrics.
 
@@ -140,8 +156,10 @@ def train_and_evaluate(config: Config, workdir: str, *,
     t, m = config.train, config.model
     prompt_ids = data.tokenizer.encode(t.sample_prompt)
     if t.sample_tokens and len(prompt_ids) >= m.max_seq_len:
-        raise ConfigError(f"train.sample_prompt encodes to {len(prompt_ids)} tokens, which leaves no room in "
-                          f"model.max_seq_len={m.max_seq_len}")
+        raise ConfigError(
+            f"train.sample_prompt encodes to {len(prompt_ids)} tokens, which leaves no room in "
+            f"model.max_seq_len={m.max_seq_len}"
+        )
 
     os.makedirs(workdir, exist_ok=True)
     ckpt = Checkpointer(workdir, keep=t.keep_checkpoints)
@@ -151,8 +169,9 @@ def train_and_evaluate(config: Config, workdir: str, *,
         ckpt.close()  # waits for pending asynchronous saves, surfacing their errors
 
 
-def _train(config: Config, workdir: str, ckpt: Checkpointer, data, latest, meta, notes, requested_vocab,
-           callback) -> dict:
+def _train(
+    config: Config, workdir: str, ckpt: Checkpointer, data, latest, meta, notes, requested_vocab, callback
+) -> dict:
     t, m = config.train, config.model
     main = parallel.is_main_process()
     # ---- model, optimizer, state ------------------------------------------------------------------------------
@@ -162,14 +181,15 @@ def _train(config: Config, workdir: str, ckpt: Checkpointer, data, latest, meta,
         graphdef, params, rest = init_params(m, t.seed)
         state = init_train_state(params, optimizer, t.seed)
     else:
-        graphdef, state, rest = parallel.init_train_state(m, t, t.seed, mesh)
+        graphdef, state, rest = init_sharded_train_state(m, t, t.seed, mesh)
         params = state.params
         if jax.process_count() > 1:  # each process reads only the rows its devices hold
             data.train.local_rows = parallel.process_rows(mesh, t.batch_size)
     start = 0
     if meta is not None:
-        params, train_state, meta = ckpt.restore(latest, state.params, {
-            k: getattr(state, k) for k in ("opt_state", "step", "rng", "bad_step")})
+        params, train_state, meta = ckpt.restore(
+            latest, state.params, {k: getattr(state, k) for k in ("opt_state", "step", "rng", "bad_step")}
+        )
         if train_state is None:  # an inference-only checkpoint (e.g. a converted model): fine-tune from it
             state = init_train_state(params, optimizer, t.seed)
         else:
@@ -177,7 +197,7 @@ def _train(config: Config, workdir: str, ckpt: Checkpointer, data, latest, meta,
             start = int(state.step)
     place_batch = None
     if mesh is not None:
-        state = parallel.shard_tree(state, parallel.train_state_shardings(m, t, mesh)[0])
+        state = parallel.shard_tree(state, train_state_shardings(m, t, mesh)[0])
         place_batch = lambda b: parallel.shard_global_batch(b, mesh)  # noqa: E731
     if main:
         write_workdir_files(workdir, config, data.tokenizer)
@@ -185,25 +205,38 @@ def _train(config: Config, workdir: str, ckpt: Checkpointer, data, latest, meta,
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     flops_per_token = train_flops_per_token(m, params, t.seq_len)
     if requested_vocab != m.vocab_size:
-        console.print(f"model.vocab_size set to {m.vocab_size} to match the {data.tokenizer.kind} tokenizer "
-                      f"(config had {requested_vocab})")
+        console.print(
+            f"model.vocab_size set to {m.vocab_size} to match the {data.tokenizer.kind} tokenizer "
+            f"(config had {requested_vocab})"
+        )
     if start:
-        console.print(f"resuming {workdir} from step {start}" + (f" (model config changed: {'; '.join(notes)})"
-                                                                  if notes else ""))
-    console.print(f"model: {n_params:,} parameters, {m.num_layers} layers, d_model {m.d_model}, "
-                  f"{m.attention_label if hasattr(m, 'attention_label') else m.attention_type}, vocab {m.vocab_size} "
-                  f"({data.tokenizer.kind} tokenizer), {m.dtype} compute on {jax.default_backend()}")
+        console.print(
+            f"resuming {workdir} from step {start}" + (f" (model config changed: {'; '.join(notes)})" if notes else "")
+        )
+    console.print(
+        f"model: {n_params:,} parameters, {m.num_layers} layers, d_model {m.d_model}, "
+        f"{m.attention_label if hasattr(m, 'attention_label') else m.attention_type}, vocab {m.vocab_size} "
+        f"({data.tokenizer.kind} tokenizer), {m.dtype} compute on {jax.default_backend()}"
+    )
     if mesh is not None:
         split = parallel.batch_split(mesh, t.batch_size)
-        console.print(f"devices: {parallel.describe(mesh)}; batch split {split} ways"
-                      + ("" if split == mesh.shape["data"] * mesh.shape["fsdp"] else
-                         f" (train.batch_size={t.batch_size} is not divisible by mesh data x fsdp = "
-                         f"{mesh.shape['data'] * mesh.shape['fsdp']})"))
-    console.print(f"data: {config.data.corpus}: " + ", ".join(f"{k} {v:,}" for k, v in data.info.items()
-                                                            if isinstance(v, int)))
-    console.print(f"training: {t.steps} steps of {t.batch_size}x{t.seq_len} tokens"
-                  + (f" in {t.microbatches} microbatches" if t.microbatches > 1 else "")
-                  + f", {flops_per_token / 1e6:.1f} MFLOP/token (causal attention counted at half)")
+        console.print(
+            f"devices: {parallel.describe(mesh)}; batch split {split} ways"
+            + (
+                ""
+                if split == mesh.shape["data"] * mesh.shape["fsdp"]
+                else f" (train.batch_size={t.batch_size} is not divisible by mesh data x fsdp = "
+                f"{mesh.shape['data'] * mesh.shape['fsdp']})"
+            )
+        )
+    console.print(
+        f"data: {config.data.corpus}: " + ", ".join(f"{k} {v:,}" for k, v in data.info.items() if isinstance(v, int))
+    )
+    console.print(
+        f"training: {t.steps} steps of {t.batch_size}x{t.seq_len} tokens"
+        + (f" in {t.microbatches} microbatches" if t.microbatches > 1 else "")
+        + f", {flops_per_token / 1e6:.1f} MFLOP/token (causal attention counted at half)"
+    )
 
     writer = MetricsWriter(workdir, start) if main else _NoWriter()
     step_fn = compiled_train_step(m, t, graphdef, mesh)
@@ -241,12 +274,21 @@ def _train(config: Config, workdir: str, ckpt: Checkpointer, data, latest, meta,
                 raise NonFiniteLossError(
                     f"non-finite loss or gradient at step {bad_step} (loss={float(bad['loss'])}, "
                     f"grad_norm={float(bad['grad_norm'])}): training stopped, and nothing from that step on was "
-                    "saved; " + (f"the latest checkpoint is step {kept}, which a rerun resumes from"
-                                 if kept is not None else "no checkpoint had been written yet")
-                    + ". Lower train.learning_rate or raise train.warmup_steps.")
-            record = {"step": step, "loss": float(np.mean([h["loss"] for h in host])),
-                      "grad_norm": float(host[-1]["grad_norm"]), "lr": float(host[-1]["lr"]),
-                      "tokens": step * tokens_per_step}
+                    "saved; "
+                    + (
+                        f"the latest checkpoint is step {kept}, which a rerun resumes from"
+                        if kept is not None
+                        else "no checkpoint had been written yet"
+                    )
+                    + ". Lower train.learning_rate or raise train.warmup_steps."
+                )
+            record = {
+                "step": step,
+                "loss": float(np.mean([h["loss"] for h in host])),
+                "grad_norm": float(host[-1]["grad_norm"]),
+                "lr": float(host[-1]["lr"]),
+                "tokens": step * tokens_per_step,
+            }
             if interval_steps:
                 tps = interval_steps * tokens_per_step / max(elapsed, 1e-9)
                 peak, _ = peak_flops(m.dtype) if not t.peak_flops else (t.peak_flops, "")
@@ -258,16 +300,25 @@ def _train(config: Config, workdir: str, ckpt: Checkpointer, data, latest, meta,
 
             if step % t.eval_every == 0 or step == t.steps:
                 val = evaluate_split(graphdef, state.params, rest, data.val, data.token_bytes, place_batch)
-                record.update(val_loss=val["loss"], val_ppl=val["perplexity"], val_bpb=val.get("bits_per_byte"),
-                              val_tokens=val["tokens"])
+                record.update(
+                    val_loss=val["loss"],
+                    val_ppl=val["perplexity"],
+                    val_bpb=val.get("bits_per_byte"),
+                    val_tokens=val["tokens"],
+                )
                 if t.sample_tokens:
                     from flax import nnx
 
                     seed = int(jax.device_get(state.rng)[-1])
-                    record["sample"] = sample_text(nnx.merge(graphdef, state.params, rest), data.tokenizer,
-                                                   t.sample_prompt, t.sample_tokens,
-                                                   temperature=t.sample_temperature, seed=seed,
-                                                   use_cache=m.attention_mask == "causal")
+                    record["sample"] = sample_text(
+                        nnx.merge(graphdef, state.params, rest),
+                        data.tokenizer,
+                        t.sample_prompt,
+                        t.sample_tokens,
+                        temperature=t.sample_temperature,
+                        seed=seed,
+                        use_cache=m.attention_mask == "causal",
+                    )
                 best_val = val["loss"] if best_val is None else min(best_val, val["loss"])
                 console.print(_eval_line(record))
                 if callback:
@@ -280,11 +331,18 @@ def _train(config: Config, workdir: str, ckpt: Checkpointer, data, latest, meta,
                 callback("log", step, record)
 
             if step % t.checkpoint_every == 0 or step == t.steps:
-                meta_out = {"config": config_to_dict(config), "tokenizer": data.tokenizer.to_dict(),
-                            "data_state": data.train.state()}
-                ckpt.save(step, state.params, meta_out,
-                          train_state={k: getattr(state, k) for k in ("opt_state", "step", "rng", "bad_step")},
-                          val_loss=record.get("val_loss"))
+                meta_out = {
+                    "config": config_to_dict(config),
+                    "tokenizer": data.tokenizer.to_dict(),
+                    "data_state": data.train.state(),
+                }
+                ckpt.save(
+                    step,
+                    state.params,
+                    meta_out,
+                    train_state={k: getattr(state, k) for k in ("opt_state", "step", "rng", "bad_step")},
+                    val_loss=record.get("val_loss"),
+                )
                 if callback:
                     callback("checkpoint", step, {"wait": ckpt.wait})
             interval_t0, interval_steps = time.perf_counter(), 0
@@ -294,8 +352,12 @@ def _train(config: Config, workdir: str, ckpt: Checkpointer, data, latest, meta,
     if start >= t.steps:
         console.print(f"{workdir} is already trained to step {start} (train.steps={t.steps}); nothing to do")
         val = evaluate_split(graphdef, state.params, rest, data.val, data.token_bytes, place_batch)
-        last = {"step": start, "val_loss": val["loss"], "val_ppl": val["perplexity"],
-                "val_bpb": val.get("bits_per_byte")}
+        last = {
+            "step": start,
+            "val_loss": val["loss"],
+            "val_ppl": val["perplexity"],
+            "val_bpb": val.get("bits_per_byte"),
+        }
     return last
 
 

@@ -26,7 +26,9 @@ import numpy as np
 import optax
 from flax import nnx
 
+from causal_lm import parallel
 from causal_lm.config import ModelConfig, TrainConfig
+from causal_lm.model import build_model
 
 
 @jax.tree_util.register_dataclass
@@ -41,8 +43,7 @@ class TrainState:
 
 # Optimizer hyperparameters that enter the jitted step as traced scalars, so changing them (an lr sweep, a longer
 # run) reuses the compiled step instead of compiling a new one.
-HYPERPARAMS = ("learning_rate", "warmup_steps", "steps", "min_lr_ratio", "weight_decay", "beta1", "beta2",
-               "grad_clip")
+HYPERPARAMS = ("learning_rate", "warmup_steps", "steps", "min_lr_ratio", "weight_decay", "beta1", "beta2", "grad_clip")
 
 
 def hyperparams(t: TrainConfig) -> dict:
@@ -81,7 +82,8 @@ def decays(path: tuple) -> bool:
 def decay_mask(params) -> Any:
     """A pytree of bools matching params: True where weight decay applies."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, _: decays(tuple(getattr(k, "key", getattr(k, "name", k)) for k in path)), params)
+        lambda path, _: decays(tuple(getattr(k, "key", getattr(k, "name", k)) for k in path)), params
+    )
 
 
 def make_optimizer(t: TrainConfig, hp=None) -> optax.GradientTransformation:
@@ -92,8 +94,11 @@ def make_optimizer(t: TrainConfig, hp=None) -> optax.GradientTransformation:
     parts = []
     if t.grad_clip > 0:
         parts.append(optax.clip_by_global_norm(hp["grad_clip"]))
-    parts.append(optax.adamw(learning_rate_schedule(hp), b1=hp["beta1"], b2=hp["beta2"],
-                             weight_decay=hp["weight_decay"], mask=decay_mask))
+    parts.append(
+        optax.adamw(
+            learning_rate_schedule(hp), b1=hp["beta1"], b2=hp["beta2"], weight_decay=hp["weight_decay"], mask=decay_mask
+        )
+    )
     return optax.chain(*parts)
 
 
@@ -105,27 +110,63 @@ def split_params(model) -> tuple[Any, dict, dict]:
 
 @functools.lru_cache(maxsize=8)
 def _jitted_init(model_config: ModelConfig):
-    from causal_lm.model import build_model
-
     return jax.jit(lambda seed: split_params(build_model(model_config, jax.random.key(seed)))[1:])
 
 
 def init_params(model_config: ModelConfig, seed: int) -> tuple[Any, dict, dict]:
     """(graphdef, params, rest) of a freshly initialised model, built in one compiled program (building the module
     eagerly dispatches and compiles every initialiser op separately, which takes seconds on a CPU)."""
-    from causal_lm.model import build_model
-
     graphdef = split_params(nnx.eval_shape(lambda: build_model(model_config, 0)))[0]
     params, rest = _jitted_init(model_config)(seed)
     return graphdef, params, rest
 
 
 def init_train_state(params: dict, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
-    return TrainState(params=params, opt_state=optimizer.init(params), step=jnp.int32(0),
-                      rng=jax.random.PRNGKey(seed), bad_step=jnp.int32(0))
+    return TrainState(
+        params=params,
+        opt_state=optimizer.init(params),
+        step=jnp.int32(0),
+        rng=jax.random.PRNGKey(seed),
+        bad_step=jnp.int32(0),
+    )
 
 
 def param_shapes(params) -> dict[str, list[int]]:
     """{"blocks.attn.wq": [L, D, N, H], ...} for error messages and checkpoint metadata."""
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
     return {".".join(str(getattr(k, "key", k)) for k in path): list(leaf.shape) for path, leaf in flat}
+
+
+# ---- sharded initialisation (the partition rules live in causal_lm.parallel) ----------------------------------
+
+
+def optimizer_structure(train_config: TrainConfig) -> TrainConfig:
+    """The part of a TrainConfig that shapes the optimizer state: only whether clipping is on (everything else
+    enters the step as traced hyperparameters). Compiled steps and inits are cached per this structure."""
+    return TrainConfig(grad_clip=1.0 if train_config.grad_clip > 0 else 0.0)
+
+
+def train_state_shardings(model_config: ModelConfig, train_config: TrainConfig, mesh):
+    """(TrainState of shardings, shardings of the non-parameter model state) for a model and optimizer, from
+    their abstract shapes (nothing is allocated)."""
+    _, params, rest = split_params(nnx.eval_shape(lambda: build_model(model_config, 0)))
+    abstract = jax.eval_shape(lambda p: init_train_state(p, make_optimizer(train_config), 0), params)
+    return parallel.tree_shardings(abstract, mesh), parallel.tree_shardings(rest, mesh)
+
+
+def init_sharded_train_state(model_config: ModelConfig, train_config: TrainConfig, seed: int, mesh):
+    """(graphdef, TrainState, rest) initialised directly in their shardings: no device ever holds the whole
+    model. Values equal the single-device `init_params` + `init_train_state` (JAX's threefry RNG is
+    partitionable: a sharded draw gives the same numbers)."""
+    graphdef = split_params(nnx.eval_shape(lambda: build_model(model_config, 0)))[0]
+    state, rest = _sharded_init(model_config, optimizer_structure(train_config), seed, mesh)(jax.random.key(seed))
+    return graphdef, state, rest
+
+
+@functools.lru_cache(maxsize=8)
+def _sharded_init(model_config: ModelConfig, train_config: TrainConfig, seed: int, mesh):
+    def init(key):
+        _, params, rest = split_params(build_model(model_config, key))
+        return init_train_state(params, make_optimizer(train_config), seed), rest
+
+    return jax.jit(init, out_shardings=train_state_shardings(model_config, train_config, mesh))

@@ -20,8 +20,16 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from causal_lm import parallel
 from causal_lm.config import ModelConfig, TrainConfig
-from causal_lm.train.state import TrainState, hyperparams, learning_rate_schedule, make_optimizer
+from causal_lm.train.state import (
+    TrainState,
+    hyperparams,
+    learning_rate_schedule,
+    make_optimizer,
+    optimizer_structure,
+    train_state_shardings,
+)
 
 
 def loss_sums(model, batch):
@@ -47,14 +55,16 @@ def loss_and_grads(graphdef, params, rest, batch, microbatches: int = 1):
     if microbatches == 1:
         (loss_sum, count), grad_sum = grad_fn(params, batch)
     else:
+
         def body(carry, mb):
-            g_acc, l_acc, n_acc = carry
-            (l, n), g = grad_fn(params, mb)
-            return (jax.tree.map(jnp.add, g_acc, g), l_acc + l, n_acc + n), None
+            g_acc, loss_acc, n_acc = carry
+            (loss, n), g = grad_fn(params, mb)
+            return (jax.tree.map(jnp.add, g_acc, g), loss_acc + loss, n_acc + n), None
 
         zeros = jax.tree.map(jnp.zeros_like, params)
         (grad_sum, loss_sum, count), _ = jax.lax.scan(
-            body, (zeros, jnp.float32(0), jnp.float32(0)), _split_micro(batch, microbatches))
+            body, (zeros, jnp.float32(0), jnp.float32(0)), _split_micro(batch, microbatches)
+        )
     denom = jnp.maximum(count, 1.0)
     return loss_sum / denom, jax.tree.map(lambda g: g / denom, grad_sum), count
 
@@ -74,15 +84,14 @@ def compiled_train_step(model_config: ModelConfig, train_config: TrainConfig, gr
     mesh: a `causal_lm.parallel` mesh; the new state then keeps the partition rules' shardings (the state and
     batch passed in must already be laid out on it) and the metrics come back replicated. None: one device.
     """
-    jitted = _compiled_train_step(model_config, train_config.microbatches, train_config.grad_clip > 0, graphdef,
-                                  mesh)
+    jitted = _compiled_train_step(model_config, train_config.microbatches, train_config.grad_clip > 0, graphdef, mesh)
     hp = hyperparams(train_config)
     return lambda state, rest, batch: jitted(state, rest, batch, hp)
 
 
 @functools.lru_cache(maxsize=16)
 def _compiled_train_step(model_config: ModelConfig, microbatches: int, clip: bool, graphdef, mesh=None):
-    structure = TrainConfig(grad_clip=1.0 if clip else 0.0)  # only grad_clip > 0 shapes the optimizer
+    structure = optimizer_structure(TrainConfig(grad_clip=1.0 if clip else 0.0))
 
     def step(state: TrainState, rest, batch, hp):
         optimizer = make_optimizer(structure, hp)
@@ -93,20 +102,21 @@ def _compiled_train_step(model_config: ModelConfig, microbatches: int, clip: boo
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & _all_finite(params) & (state.bad_step == 0)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
         rng, _ = jax.random.split(state.rng)
-        new = TrainState(params=keep(params, state.params), opt_state=keep(opt_state, state.opt_state),
-                         step=state.step + ok.astype(jnp.int32), rng=keep(rng, state.rng),
-                         bad_step=jnp.where((state.bad_step == 0) & ~ok, state.step + 1, state.bad_step))
-        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": learning_rate_schedule(hp)(state.step),
-                   "tokens": count}
+        new = TrainState(
+            params=keep(params, state.params),
+            opt_state=keep(opt_state, state.opt_state),
+            step=state.step + ok.astype(jnp.int32),
+            rng=keep(rng, state.rng),
+            bad_step=jnp.where((state.bad_step == 0) & ~ok, state.step + 1, state.bad_step),
+        )
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": learning_rate_schedule(hp)(state.step), "tokens": count}
         return new, metrics
 
     if mesh is None:
         return jax.jit(step, donate_argnums=0)
-    from causal_lm import parallel
-
     # Pinning the output state to the input's shardings keeps the layout (and the compiled program) fixed from
     # step to step; XLA's partitioner derives the collectives (gradient reduce-scatter, weight all-gathers).
-    state_sh, _ = parallel.train_state_shardings(model_config, structure, mesh)
+    state_sh, _ = train_state_shardings(model_config, structure, mesh)
     return jax.jit(step, donate_argnums=0, out_shardings=(state_sh, parallel.replicated(mesh)))
 
 
