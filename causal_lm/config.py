@@ -39,6 +39,11 @@ class ModelConfig:
     """Shape and variant of the decoder.
 
     num_kv_heads == num_heads is MHA, 1 is MQA, anything in between (dividing num_heads) is GQA.
+
+    Sizes left at None are derived at construction (num_kv_heads, head_dim, and MLA's qk_nope_head_dim,
+    qk_rope_head_dim, v_head_dim), so code reads one name per size. `config.replace(**changes)` derives them again
+    from the changed fields; `dataclasses.replace` would carry the old derived values over. Serialised configs
+    (`config_to_dict`) keep a derived size as None, so it is derived again when loaded.
     """
 
     vocab_size: int = 259
@@ -59,9 +64,9 @@ class ModelConfig:
     # (one rope key shared by all heads). The cache holds latent + rope key per token. None -> derived (below).
     kv_lora_rank: int | None = None  # required for "mla"
     q_lora_rank: int | None = None  # None: queries projected directly from the model dim
-    qk_nope_head_dim: int | None = None  # None -> head_size
-    qk_rope_head_dim: int | None = None  # None -> head_size // 2 with RoPE, 0 without
-    v_head_dim: int | None = None  # None -> head_size
+    qk_nope_head_dim: int | None = None  # None -> head_dim
+    qk_rope_head_dim: int | None = None  # None -> head_dim // 2 with RoPE, 0 without
+    v_head_dim: int | None = None  # None -> head_dim
     mla_absorb: bool = False  # decode path over a cache: False expands the latent to K/V, True attends over it
     # Sliding window: a "local" layer's query at position p sees keys at positions p - sliding_window + 1 .. p.
     sliding_window: int = 0  # 0 = no window
@@ -76,6 +81,8 @@ class ModelConfig:
     dtype: str = "float32"  # compute dtype; softmax and loss are always float32
     remat: bool = False  # rematerialise each block in the backward pass
     scan_layers: bool = True  # scan over stacked layers (compile time flat in depth) or unroll
+    # Which of the derivable sizes were left at None (filled in by __post_init__); not a config key.
+    _derived: tuple = dataclasses.field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if isinstance(self.layer_pattern, (tuple, list)):  # accept ("local", "global") as well as "local,global"
@@ -88,11 +95,6 @@ class ModelConfig:
             kv is None or (isinstance(kv, int) and kv > 0),
             f"model.num_kv_heads must be a positive integer or None, got {kv!r}",
         )
-        _check(
-            self.num_heads % self.kv_heads == 0,
-            f"model.num_kv_heads={self.kv_heads} must divide num_heads={self.num_heads} "
-            "(MHA: equal, MQA: 1, GQA: a divisor)",
-        )
         if self.head_dim is None:
             _check(
                 self.d_model % self.num_heads == 0,
@@ -103,6 +105,12 @@ class ModelConfig:
                 isinstance(self.head_dim, int) and self.head_dim > 0,
                 f"model.head_dim must be a positive integer, got {self.head_dim!r}",
             )
+        self._derive_sizes()
+        _check(
+            self.num_heads % self.num_kv_heads == 0,
+            f"model.num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads} "
+            "(MHA: equal, MQA: 1, GQA: a divisor)",
+        )
         _check(self.position in POSITIONS, f"model.position must be one of {POSITIONS}, got {self.position!r}")
         _check(
             self.attention_mask in MASKS, f"model.attention_mask must be one of {MASKS}, got {self.attention_mask!r}"
@@ -122,12 +130,12 @@ class ModelConfig:
         if self.position == "rope" and self.attention_type != "mla":
             _check(
                 self.rope_dim > 0 and self.rope_dim % 2 == 0,
-                f"model.rope_fraction={self.rope_fraction} of head_dim={self.head_size} rotates "
-                f"{self.head_size * self.rope_fraction:g} dims; it must be a positive even number",
+                f"model.rope_fraction={self.rope_fraction} of head_dim={self.head_dim} rotates "
+                f"{self.head_dim * self.rope_fraction:g} dims; it must be a positive even number",
             )
             _check(
-                abs(self.rope_dim - self.head_size * self.rope_fraction) < 1e-9,
-                f"model.rope_fraction={self.rope_fraction} of head_dim={self.head_size} is not a whole number of dims",
+                abs(self.rope_dim - self.head_dim * self.rope_fraction) < 1e-9,
+                f"model.rope_fraction={self.rope_fraction} of head_dim={self.head_dim} is not a whole number of dims",
             )
         if self.attention_impl == "dot_product_attention":
             _check(
@@ -142,8 +150,42 @@ class ModelConfig:
         _check(self.param_dtype in DTYPES, f"model.param_dtype must be one of {DTYPES}, got {self.param_dtype!r}")
         _check(self.dtype in DTYPES, f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
 
+    def _derive_sizes(self):
+        """Fill in the sizes left at None (recording which, see the class docstring)."""
+        derived = []
+
+        def fill(name, value):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+                derived.append(name)
+
+        fill("num_kv_heads", self.num_heads)
+        fill("head_dim", self.d_model // self.num_heads)
+        if self.attention_type == "mla":
+            fill("qk_nope_head_dim", self.head_dim)
+            fill("qk_rope_head_dim", self.head_dim // 2 if self.position == "rope" else 0)
+            fill("v_head_dim", self.head_dim)
+        object.__setattr__(self, "_derived", tuple(derived))
+
+    def replace(self, **changes) -> ModelConfig:
+        """A copy with `changes` applied, deriving again every size that was derived here and is not changed."""
+        kept = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        for name in self._derived:
+            kept[name] = None
+        kept.update(changes)
+        return ModelConfig(**kept)
+
+    def to_dict(self) -> dict:
+        """Every config key and its value, with derived sizes as None (they are derived again when loaded)."""
+        return {
+            f.name: (None if f.name in self._derived else getattr(self, f.name))
+            for f in dataclasses.fields(self)
+            if f.init
+        }
+
     def _check_mla(self):
         mla_fields = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        # (for other attention types these are never derived, so a value here was set by the user)
         if self.attention_type != "mla":
             set_ = [f for f in mla_fields if getattr(self, f) is not None] + (["mla_absorb"] if self.mla_absorb else [])
             _check(
@@ -180,7 +222,7 @@ class ModelConfig:
                 f"model.qk_rope_head_dim={rr} needs position='rope' (this model uses {self.position!r})",
             )
         _check(
-            self.num_kv_heads in (None, self.num_heads),
+            self.num_kv_heads == self.num_heads,
             "MLA has no separate KV heads (every head expands its own K/V from the shared latent); "
             "leave model.num_kv_heads unset",
         )
@@ -211,38 +253,13 @@ class ModelConfig:
 
     # ---- derived sizes -------------------------------------------------------------------------------------
     @property
-    def kv_heads(self) -> int:
-        return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
-
-    @property
-    def head_size(self) -> int:
-        return self.d_model // self.num_heads if self.head_dim is None else self.head_dim
-
-    @property
-    def group_size(self) -> int:
-        """Query heads sharing one K/V head."""
-        return self.num_heads // self.kv_heads
-
-    @property
     def rope_dim(self) -> int:
         """Dims of each head that RoPE rotates (0 without RoPE). MLA: its decoupled rope part."""
         if self.position != "rope":
             return 0
         if self.attention_type == "mla":
-            return self.head_size // 2 if self.qk_rope_head_dim is None else self.qk_rope_head_dim
-        return int(round(self.head_size * self.rope_fraction))
-
-    @property
-    def qk_nope_dim(self) -> int:
-        """MLA: dims of each head's query/key that carry no position (expanded from the latent)."""
-        return self.head_size if self.qk_nope_head_dim is None else self.qk_nope_head_dim
-
-    @property
-    def v_dim(self) -> int:
-        """Dims of each head's value (and attention output)."""
-        if self.attention_type == "mla" and self.v_head_dim is not None:
-            return self.v_head_dim
-        return self.head_size
+            return self.qk_rope_head_dim
+        return int(round(self.head_dim * self.rope_fraction))
 
     @property
     def layer_kinds(self) -> tuple:
@@ -262,13 +279,9 @@ class ModelConfig:
         """ "MHA", "GQA-4" (4 KV heads), "MQA" or "MLA"."""
         if self.attention_type == "mla":
             return "MLA"
-        if self.kv_heads == self.num_heads:
+        if self.num_kv_heads == self.num_heads:
             return "MHA"
-        return "MQA" if self.kv_heads == 1 else f"GQA-{self.kv_heads}"
-
-    @property
-    def is_causal(self) -> bool:
-        return self.attention_mask == "causal"
+        return "MQA" if self.num_kv_heads == 1 else f"GQA-{self.num_kv_heads}"
 
     def kv_layer_bytes_per_token(self, bytes_per_element: int | None = None) -> int:
         """Bytes one token occupies in one layer's cache: K and V at the KV-head count, or MLA's latent + rope key."""
@@ -276,17 +289,11 @@ class ModelConfig:
             bytes_per_element = _DTYPE_BYTES[self.dtype]
         if self.attention_type == "mla":
             return (self.kv_lora_rank + self.rope_dim) * bytes_per_element
-        return self.kv_heads * (self.head_size + self.v_dim) * bytes_per_element
+        return self.num_kv_heads * 2 * self.head_dim * bytes_per_element
 
     def kv_bytes_per_token(self, bytes_per_element: int | None = None) -> int:
         """Bytes cached per token, all layers together (what `init_cache` allocates per token and row)."""
         return self.num_layers * self.kv_layer_bytes_per_token(bytes_per_element)
-
-    def kv_cache_bytes(self, context: int, bytes_per_element: int | None = None) -> int:
-        """Bytes one sequence of `context` tokens needs when each local layer keeps only its last
-        `sliding_window` tokens (equal to kv_bytes_per_token() * context without sliding windows)."""
-        per_layer = self.kv_layer_bytes_per_token(bytes_per_element)
-        return sum(per_layer * (min(context, w) if w else context) for w in self.layer_windows)
 
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -397,7 +404,7 @@ def _sections(config: Any) -> dict[str, Any]:
 def valid_keys(config: Any) -> list[str]:
     keys = []
     for sec, obj in _sections(config).items():
-        for f in dataclasses.fields(obj):
+        for f in _keys(obj):
             keys.append(f"{sec}.{f.name}" if sec else f.name)
     return keys
 
@@ -441,17 +448,17 @@ def apply_overrides(config: Any, overrides: Iterable[str]) -> Any:
         key = key.strip()
         if "." in key and isinstance(config, Config):
             sec, name = key.split(".", 1)
-            candidates = [sec] if sec in secs and name in {f.name for f in dataclasses.fields(secs[sec])} else []
+            candidates = [sec] if sec in secs and name in {f.name for f in _keys(secs[sec])} else []
         else:
             sec, name = "", key
             order = sorted(secs, key=lambda s: s != "model")
-            candidates = [s for s in order if name in {f.name for f in dataclasses.fields(secs[s])}][:1]
+            candidates = [s for s in order if name in {f.name for f in _keys(secs[s])}][:1]
         if not candidates:
             raise ConfigError(f"unknown config key {key!r}; valid keys: {', '.join(valid_keys(config))}")
         sec = candidates[0]
-        field = {f.name: f for f in dataclasses.fields(secs[sec])}[name]
+        field = {f.name: f for f in _keys(secs[sec])}[name]
         changes[sec][name] = _convert(text.strip(), field.type, key)
-    new = {s: dataclasses.replace(obj, **changes[s]) if changes[s] else obj for s, obj in secs.items()}
+    new = {s: _replace(obj, **changes[s]) if changes[s] else obj for s, obj in secs.items()}
     if isinstance(config, Config):
         return Config(**new)
     return new[""]
@@ -485,9 +492,21 @@ def load_config(path: str | None = None, overrides: Iterable[str] = ()) -> Confi
 # ---- serialisation (checkpoints, config.json) --------------------------------------------------------------
 
 
+def _replace(obj, **changes):
+    """dataclasses.replace, through ModelConfig.replace where derived sizes must be derived again."""
+    return obj.replace(**changes) if isinstance(obj, ModelConfig) else dataclasses.replace(obj, **changes)
+
+
+def _keys(obj) -> list:
+    """The config keys of a section: its init fields (ModelConfig's bookkeeping field is not one)."""
+    return [f for f in dataclasses.fields(obj) if f.init]
+
+
 def config_to_dict(config: Config) -> dict:
-    """A JSON-able dict of every section and field."""
-    return dataclasses.asdict(config)
+    """A JSON-able dict of every section and field (derived model sizes as None, see ModelConfig)."""
+    out = dataclasses.asdict(config)
+    out["model"] = config.model.to_dict()
+    return out
 
 
 def config_from_dict(d: dict) -> Config:
@@ -500,7 +519,7 @@ def config_from_dict(d: dict) -> Config:
     for name, factory in sections.items():
         cls = type(factory())
         values = dict(d.get(name, {}))
-        names = {f.name for f in dataclasses.fields(cls)}
+        names = {f.name for f in _keys(cls)}
         bad = sorted(set(values) - names)
         if bad:
             raise ConfigError(

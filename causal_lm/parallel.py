@@ -96,12 +96,17 @@ PARAM_AXES = {
     "wv_b": (None, "heads", None),
 }
 
-# KV-cache fields (KVCache / MLACache) -> logical axes.
+# KV-cache arrays (by their name in a CacheGroup, see model/kv_cache.py) -> logical axes.
 CACHE_AXES = {
-    "k": (None, "batch", None, "kv_heads", None),  # [L, B, S, K, H]
+    "k": (None, "batch", None, "kv_heads", None),  # [Lg, B, C, K, H]
     "v": (None, "batch", None, "kv_heads", None),
-    "latent": (None, "batch", None, None),  # [L, B, S, R]
-    "rope_key": (None, "batch", None, None),  # [L, B, S, Hr]
+    "k_scale": (None, "batch", None, "kv_heads"),  # [Lg, B, C, K] (int8 / float8 storage)
+    "v_scale": (None, "batch", None, "kv_heads"),
+    "latent": (None, "batch", None, None),  # [Lg, B, C, R]
+    "rope_key": (None, "batch", None, None),  # [Lg, B, C, Hr]
+    "latent_scale": (None, "batch", None),  # [Lg, B, C]
+    "rope_key_scale": (None, "batch", None),
+    "positions": ("batch", None),  # [B, C]
     "lengths": ("batch",),  # [B]
 }
 
@@ -273,7 +278,7 @@ def batch_split(mesh: Mesh | None, batch_size: int) -> int:
 
 
 def cache_shardings(cache, mesh: Mesh):
-    """Shardings of a KVCache / MLACache: batch over data x fsdp, K/V heads over tensor (where they divide)."""
+    """Shardings of a KVCache: batch over data x fsdp, K/V heads over tensor (where they divide)."""
 
     def one(path, x):
         names = _names(path)

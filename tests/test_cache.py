@@ -1,5 +1,6 @@
 """KV cache, chunked prefill and on-device generation: outputs equal to full recomputation."""
 
+import dataclasses
 import functools
 
 import jax
@@ -13,6 +14,7 @@ from variants import VARIANT_IDS, VARIANTS, tiny_config, tiny_model
 
 import causal_lm
 from causal_lm import CacheError, GenerateError, generate, init_cache
+from causal_lm.config import ModelConfig
 from causal_lm.decode.generate import bucket_length, compile_count
 from causal_lm.decode.sampling import sample
 from causal_lm.model import build_model
@@ -33,6 +35,12 @@ def teacher_forced(model, prompt, generated):
     graphdef, state = nnx.split(model)
     logits = np.asarray(_full_logits(state, seq, graphdef=graphdef))[0]
     return logits[len(prompt) - 1 : len(prompt) - 1 + len(generated)]
+
+
+def stored(cache, name="k"):
+    """A single-layout cache's stored array `name`, [L, B, S, ...]."""
+    (group,) = cache.groups
+    return group.arrays[name]
 
 
 def assert_cache_equals_recompute(model, prompts=PROMPTS, new=NEW, **kw):
@@ -76,11 +84,11 @@ def test_generate_cached_equals_generate_recompute(variant):
 
 def test_a_broken_cache_is_caught(monkeypatch):
     """The equivalence check can fail: a cache that writes one slot too far is detected."""
-    from causal_lm.model import attention, kv_cache
+    from causal_lm.model import kv_cache
 
-    real = kv_cache.write_layer_rows
+    real = kv_cache.write_layer_slots
     monkeypatch.setattr(
-        attention, "write_layer_rows", lambda buf, layer, new, starts: real(buf, layer, new, starts + 1)
+        kv_cache, "write_layer_slots", lambda buf, layer, new, slots, *a: real(buf, layer, new, slots + 1, *a)
     )
     model = build_model(tiny_config("gqa", "rope_full", vocab_size=59), seed=0)  # fresh config: fresh trace
     with pytest.raises(AssertionError):
@@ -103,8 +111,10 @@ def test_chunked_prefill_equals_whole(chunk):
         pieces.append(np.asarray(logits))
     np.testing.assert_allclose(np.concatenate(pieces, 1), np.asarray(whole_logits), atol=1e-5, rtol=0)
     np.testing.assert_array_equal(np.asarray(cache.lengths), [12, 12])
-    np.testing.assert_allclose(np.asarray(cache.k)[:, :, :12], np.asarray(whole.k)[:, :, :12], atol=1e-5)
-    np.testing.assert_allclose(np.asarray(cache.v)[:, :, :12], np.asarray(whole.v)[:, :, :12], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(stored(cache))[:, :, :12], np.asarray(stored(whole))[:, :, :12], atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(stored(cache, "v"))[:, :, :12], np.asarray(stored(whole, "v"))[:, :, :12], atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 7])
@@ -138,7 +148,7 @@ def test_ragged_prefill_lengths_are_per_row():
     np.testing.assert_array_equal(np.asarray(cache2.lengths), [5, 3])
     # Row 1's new token landed at slot 2, right after its own prompt: its K equals that of [4, 5, 9] run alone.
     _, alone = forward(model, np.array([[4, 5, 9]], np.int32), cache=init_cache(config, 1, 16))
-    np.testing.assert_allclose(np.asarray(cache2.k)[:, 1, :3], np.asarray(alone.k)[:, 0, :3], atol=1e-6)
+    np.testing.assert_allclose(np.asarray(stored(cache2))[:, 1, :3], np.asarray(stored(alone))[:, 0, :3], atol=1e-6)
 
 
 def test_the_seeds_kv_counts():
@@ -196,7 +206,10 @@ def test_bfloat16_cache_tracks_float32():
     diff = np.abs(bf16.logits - f32.logits).max()
     assert 0 < diff < 5e-2, diff  # nonzero: the cache really is stored in bfloat16
     cache = init_cache(model.config, 1, 8, "bfloat16")
-    assert cache.k.dtype == jnp.bfloat16 and cache.bytes_per_token * 2 == init_cache(model.config, 1, 8).bytes_per_token
+    assert (
+        stored(cache).dtype == jnp.bfloat16
+        and cache.bytes_per_token * 2 == init_cache(model.config, 1, 8).bytes_per_token
+    )
 
 
 # ---- cache as data ----------------------------------------------------------------------------------------
@@ -206,10 +219,11 @@ def test_bfloat16_cache_tracks_float32():
 def test_cache_is_stored_at_the_kv_head_count(kv, heads):
     config = tiny_config(kv)
     cache = init_cache(config, batch_size=3, max_len=20)
-    L, H = config.num_layers, config.head_size
-    assert cache.k.shape == cache.v.shape == (L, 3, 20, heads, H)
+    L, H = config.num_layers, config.head_dim
+    assert stored(cache).shape == stored(cache, "v").shape == (L, 3, 20, heads, H)
     assert cache.bytes_per_token == 2 * L * heads * H * 4 == config.kv_bytes_per_token()
-    assert cache.total_bytes == 2 * L * 3 * 20 * heads * H * 4 + 3 * 4
+    # K and V, the slots' positions [B, S] and the lengths [B], all int32 or float32
+    assert cache.total_bytes == 2 * L * 3 * 20 * heads * H * 4 + 3 * 20 * 4 + 3 * 4
     assert cache.lengths.dtype == jnp.int32 and np.all(np.asarray(cache.lengths) == 0)
 
 
@@ -218,8 +232,8 @@ def test_cache_is_donated_under_jit():
     model = tiny_model(config)
     cache = init_cache(config, 1, 16)
     _, new = forward(model, np.array([[1, 2]], np.int32), cache=cache)
-    assert cache.k.is_deleted(), "the input cache buffer should be donated to the jitted call"
-    assert not new.k.is_deleted()
+    assert stored(cache).is_deleted(), "the input cache buffer should be donated to the jitted call"
+    assert not stored(new).is_deleted()
 
 
 # ---- errors before anything runs --------------------------------------------------------------------------
@@ -232,7 +246,9 @@ def test_capacity_overflow_is_an_error():
     _, cache = forward(model, np.ones((1, 6), np.int32), cache=cache)
     with pytest.raises(CacheError, match="overflow: row 0 holds 6 tokens and 3 more do not fit in max_len=8"):
         forward(model, np.ones((1, 3), np.int32), cache=cache)
-    assert np.asarray(cache.lengths)[0] == 6 and not cache.k.is_deleted(), "the failed call must not consume the cache"
+    assert np.asarray(cache.lengths)[0] == 6 and not stored(cache).is_deleted(), (
+        "the failed call must not consume the cache"
+    )
     with pytest.raises(GenerateError, match="exceeds model.max_seq_len=96"):
         generate(model, [[1] * 40], max_new_tokens=57)
 
@@ -332,13 +348,17 @@ def test_rows_stop_independently_at_a_stop_token():
     assert res.tokens[1] == free.tokens[1][:row1_stop]
 
 
-def test_a_new_prompt_length_in_the_same_bucket_does_not_recompile():
+def test_compile_count_counts_new_buckets_not_new_lengths():
+    """A new prompt length in the same bucket reuses the compiled program; a new bucket compiles one more.
+    (Breaking the bucketing, e.g. bucket_length returning n itself, fails the first assertion.)"""
     model = tiny_model(tiny_config())
     generate(model, [[1, 2, 3]], max_new_tokens=5)
     before = compile_count()
     generate(model, [[1, 2, 3, 4, 5, 6]], max_new_tokens=5)
     generate(model, [[9] * 8], max_new_tokens=5)
     assert compile_count() == before
+    generate(model, [[9] * 9], max_new_tokens=5)  # bucket 16
+    assert compile_count() == before + 1
     assert bucket_length(9) == 16 and bucket_length(1) == 8
 
 
@@ -353,3 +373,89 @@ def test_concrete_tokens_with_a_cache_built_inside_jit():
         return nnx.merge(graphdef, state)(tokens, cache=init_cache(config, 1, 8))[0]
 
     np.testing.assert_allclose(np.asarray(run(state)), np.asarray(forward(tiny_model(config), tokens)[0]), atol=1e-5)
+
+
+# ---- rollback ------------------------------------------------------------------------------------------------
+
+
+def _decode(model, cache, tokens):
+    """Feed tokens [B, n] one column at a time through the cache; logits [B, n, V]."""
+    out = []
+    for t in range(tokens.shape[1]):
+        logits, cache = forward(model, tokens[:, t : t + 1], cache=cache)
+        out.append(np.asarray(logits))
+    return np.concatenate(out, 1), cache
+
+
+def _assert_same_cache(a, b):
+    np.testing.assert_array_equal(np.asarray(a.lengths), np.asarray(b.lengths))
+    for ga, gb in zip(a.groups, b.groups, strict=True):
+        pa, pb = np.asarray(ga.positions), np.asarray(gb.positions)
+        np.testing.assert_array_equal(pa, pb)
+        for name in ga.arrays:
+            xa, xb = np.asarray(ga.arrays[name]), np.asarray(gb.arrays[name])
+            filled = pa >= 0  # [B, S]: slots that hold a token (empty ones may keep stale bytes)
+            np.testing.assert_allclose(xa[:, filled], xb[:, filled], atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        tiny_config("gqa", "rope_full", True, True),
+        tiny_config("mqa", "learned"),
+        ModelConfig(
+            vocab_size=61,
+            d_model=32,
+            num_layers=2,
+            num_heads=4,
+            mlp_dim=48,
+            max_seq_len=96,
+            attention_type="mla",
+            kv_lora_rank=12,
+            qk_rope_head_dim=4,
+            mla_absorb=True,
+        ),
+    ],
+    ids=["gqa-gate-sink", "mqa-learned", "mla-absorbed"],
+)
+def test_rollback_then_decode_equals_never_having_seen_the_tokens(config):
+    """Write 4 tokens per row, roll the rows back by different counts, decode other tokens: the cache and the
+    logits equal those of a cache that only ever saw the kept tokens."""
+    model = tiny_model(config)
+    r = np.random.default_rng(4)
+    prompt = r.integers(0, config.vocab_size, (2, 5)).astype(np.int32)
+    drafts = r.integers(0, config.vocab_size, (2, 4)).astype(np.int32)
+    keep = np.array([1, 3])  # row 0 keeps 1 draft, row 1 keeps 3
+    _, cache = forward(model, prompt, cache=init_cache(config, 2, 16))
+    _, cache = forward(model, drafts, cache=cache)
+    cache = cache.rollback(5 + keep)
+    np.testing.assert_array_equal(np.asarray(cache.lengths), 5 + keep)
+    # the reference: each row fed only its kept drafts (ragged: right padding marks the rest invalid)
+    seg = (np.arange(4)[None, :] < keep[:, None]).astype(np.int32)
+    _, ref = forward(model, prompt, cache=init_cache(config, 2, 16))
+    _, ref = forward(model, drafts, segment_ids=seg, cache=ref)
+    _assert_same_cache(cache, ref)
+    more = r.integers(0, config.vocab_size, (2, 3)).astype(np.int32)
+    got, cache = _decode(model, cache, more)
+    want, ref = _decode(model, ref, more)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    _assert_same_cache(cache, ref)
+
+
+def test_rollback_never_lengthens_a_row():
+    config = tiny_config()
+    _, cache = forward(tiny_model(config), np.ones((1, 3), np.int32), cache=init_cache(config, 1, 8))
+    assert np.asarray(cache.rollback(np.array([7])).lengths).tolist() == [3]
+
+
+def test_a_rollback_that_forgets_the_positions_is_caught(monkeypatch):
+    """The rollback test can fail: a rollback that shortens the lengths but leaves the dropped tokens' slots marked
+    as filled lets later queries see the rejected tokens."""
+    from causal_lm.model.kv_cache import KVCache
+
+    def lengths_only(self, lengths):
+        return dataclasses.replace(self, lengths=jnp.minimum(jnp.asarray(lengths, jnp.int32), self.lengths))
+
+    monkeypatch.setattr(KVCache, "rollback", lengths_only)
+    with pytest.raises(AssertionError):
+        test_rollback_then_decode_equals_never_having_seen_the_tokens(tiny_config("mqa", "learned"))

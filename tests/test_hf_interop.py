@@ -132,7 +132,7 @@ NEW = 32
 def test_config_mapping(case):
     name, hf_model, _, model = case
     c, h = model.config, hf_model.config
-    assert (c.vocab_size, c.d_model, c.num_layers, c.num_heads, c.kv_heads, c.head_size, c.mlp_dim) == (
+    assert (c.vocab_size, c.d_model, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.mlp_dim) == (
         h.vocab_size,
         h.hidden_size,
         h.num_hidden_layers,

@@ -75,7 +75,7 @@ def probe(name):
         emb = mm.embed[...][tokens]
 
         def f(e):
-            return mm.forward(tokens, input_embeddings=e)[0][0] @ r  # [T]
+            return mm.forward(tokens, input_embeddings=e).logits[0] @ r  # [T]
 
         full, _ = mm(tokens)
         jac = pre1 = pre6 = None
@@ -152,9 +152,11 @@ def test_absorbed_equals_expanded():
 def test_cache_holds_latent_and_rope_key_only():
     c = VARIANTS["absorbed"]
     cache = init_cache(c, 2, 24)
-    assert cache.latent.shape == (2, 2, 24, 16) and cache.rope_key.shape == (2, 2, 24, 4)
+    (group,) = cache.groups
+    assert set(group.arrays) == {"latent", "rope_key"}  # no K, no V
+    assert group.arrays["latent"].shape == (2, 2, 24, 16) and group.arrays["rope_key"].shape == (2, 2, 24, 4)
     assert cache.bytes_per_token == c.num_layers * (16 + 4) * 4 == c.kv_bytes_per_token()
     nope = init_cache(VARIANTS["nope-learned"], 2, 24)
-    assert nope.rope_key.shape == (2, 2, 24, 0)  # without RoPE only the latent is cached
+    assert nope.groups[0].arrays["rope_key"].shape == (2, 2, 24, 0)  # without RoPE only the latent is cached
     # What MHA with the same heads would cache per layer and token: K and V of 4 heads, 4*(8+4) + 4*6 elements.
-    assert c.num_heads * (c.qk_nope_dim + c.rope_dim + c.v_dim) > c.kv_lora_rank + c.rope_dim
+    assert c.num_heads * (c.qk_nope_head_dim + c.rope_dim + c.v_head_dim) > c.kv_lora_rank + c.rope_dim

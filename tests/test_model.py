@@ -36,7 +36,7 @@ def probe(config: ModelConfig):
         emb = m.embed[...][tokens]  # [1, T, D]
 
         def f(e):
-            logits, _, _ = m.forward(tokens, input_embeddings=e)
+            logits = m.forward(tokens, input_embeddings=e).logits
             return logits[0] @ r  # [T]: one random projection of each position's logits
 
         jac = jax.jacrev(f)(emb)[:, 0]  # [T(out), T(in), D]
@@ -330,8 +330,11 @@ def test_overrides_convert_types_and_reject_unknown_keys():
             "train.steps=7",
         ],
     )
-    assert c.model.num_layers == 3 and c.model.kv_heads == 1 and c.model.rope_theta == 5e5
-    assert c.model.attn_sink is True and c.model.head_dim is None and c.train.steps == 7
+    assert c.model.num_layers == 3 and c.model.num_kv_heads == 1 and c.model.rope_theta == 5e5
+    # head_dim=none: derived from d_model / num_heads (64 / 4), and derived again when d_model changes
+    assert c.model.attn_sink is True and c.model.head_dim == 16 and c.train.steps == 7
+    assert c.model.replace(d_model=128).head_dim == 32 and c.model.to_dict()["head_dim"] is None
+    assert load_config("tiny", ["head_dim=8"]).model.replace(d_model=128).head_dim == 8  # set, so kept
     with pytest.raises(ConfigError, match=r"unknown config key 'model.num_layer'; valid keys: .*model.num_layers"):
         apply_overrides(c, ["model.num_layer=2"])
     with pytest.raises(ConfigError, match="cannot convert"):

@@ -181,13 +181,16 @@ def test_batch_and_cache_are_split_over_data_and_fsdp_where_they_divide():
     assert parallel.logical_spec(("batch", None), (6, 64), mesh) == P("data")  # 6 rows: over data only
     assert parallel.logical_spec(("batch", None), (1, 64), mesh) == P()  # one prompt: replicated
     gqa = init_cache(ModelConfig(d_model=64, num_heads=4, num_kv_heads=2, mlp_dim=128), 4, 16)
-    sh = parallel.cache_shardings(jax.eval_shape(lambda: gqa), mesh)
-    assert sh.k.spec == P(None, ("data", "fsdp"), None, "tensor")  # [L, B, S, K, H]
-    assert sh.lengths.spec == P(("data", "fsdp"))
-    mqa = init_cache(ModelConfig(d_model=64, num_heads=4, num_kv_heads=1, mlp_dim=128), 4, 16)
-    assert parallel.cache_shardings(mqa, mesh).v.spec == P(None, ("data", "fsdp"))  # K=1: replicated heads
+    (sh,) = parallel.cache_shardings(jax.eval_shape(lambda: gqa), mesh).groups
+    assert sh.arrays["k"].spec == P(None, ("data", "fsdp"), None, "tensor")  # [L, B, S, K, H]
+    assert sh.positions.spec == P(("data", "fsdp"))  # [B, S]
+    assert parallel.cache_shardings(gqa, mesh).lengths.spec == P(("data", "fsdp"))
+    mqa = init_cache(ModelConfig(d_model=64, num_heads=4, num_kv_heads=1, mlp_dim=128), 4, 16, "int8")
+    (sh,) = parallel.cache_shardings(mqa, mesh).groups
+    assert sh.arrays["v"].spec == P(None, ("data", "fsdp"))  # K=1: replicated heads
+    assert sh.arrays["v_scale"].spec == P(None, ("data", "fsdp"))
     mla = init_cache(VARIANTS["mla"], 4, 16)
-    assert parallel.cache_shardings(mla, mesh).latent.spec == P(None, ("data", "fsdp"))
+    assert parallel.cache_shardings(mla, mesh).groups[0].arrays["latent"].spec == P(None, ("data", "fsdp"))
 
 
 # ---- multi-host start-up ---------------------------------------------------------------------------------------

@@ -127,7 +127,7 @@ def test_receptive_field_of_one_local_layer():
     def jac(state):
         mm = nnx.merge(graphdef, state)
         emb = mm.embed[...][tokens]
-        f = lambda e: mm.forward(tokens, input_embeddings=e)[0][0] @ r  # noqa: E731
+        f = lambda e: mm.forward(tokens, input_embeddings=e).logits[0] @ r  # noqa: E731
         return jnp.abs(jax.jacrev(f)(emb)[:, 0]).max(-1)  # [T(out), T(in)]
 
     g = np.asarray(jac(state))

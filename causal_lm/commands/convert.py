@@ -114,7 +114,7 @@ def run(args) -> int:
         window = f", sliding window {m.sliding_window}" if m.sliding_window else ""
         print(
             f"{r['architecture']}: {r['params']:,} parameters, {m.num_layers} layers, d_model {m.d_model}, "
-            f"{m.num_heads} heads / {m.kv_heads} kv heads, head dim {m.head_size}, vocab {m.vocab_size}, "
+            f"{m.num_heads} heads / {m.num_kv_heads} kv heads, head dim {m.head_dim}, vocab {m.vocab_size}, "
             f"context {m.max_seq_len}, rope theta {m.rope_theta:g}{window}, "
             f"{'tied' if m.tie_embeddings else 'untied'} embeddings, {m.param_dtype}"
         )

@@ -43,7 +43,7 @@ def run(args) -> int:
     attn = (
         f"{m.attention_label}, {m.num_heads} heads, KV latent {m.kv_lora_rank} + rope key {m.rope_dim}"
         if m.attention_type == "mla"
-        else f"{m.attention_label}, {m.num_heads} heads / {m.kv_heads} kv heads, head dim {m.head_size}"
+        else f"{m.attention_label}, {m.num_heads} heads / {m.num_kv_heads} kv heads, head dim {m.head_dim}"
     )
     print(
         f"model: {m.num_layers} layers, d_model {m.d_model}, {attn}, mlp {m.mlp_dim}, vocab {m.vocab_size}, "

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -28,8 +29,10 @@ import numpy as np
 from flax import nnx
 from jax.experimental import io_callback
 
+from causal_lm import parallel
 from causal_lm.decode.sampling import sample
-from causal_lm.model.kv_cache import init_cache, require_causal, write_rows
+from causal_lm.decode.streaming import STREAMS
+from causal_lm.model.kv_cache import CACHE_DTYPES, init_cache, require_causal
 
 
 class GenerateError(ValueError):
@@ -43,6 +46,29 @@ class GenerateResult:
     kv_computed_per_row: list
     steps: int  # decode steps the loop ran (<= max_new_tokens)
     logits: np.ndarray | None = None  # [B, max_new_tokens, V] float32 when return_logits=True
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RecomputeState:
+    """What the recompute path carries from step to step: the sequences so far and their lengths."""
+
+    tokens: jax.Array  # [B, prompt bucket + max_new] int32, right-padded
+    lengths: jax.Array  # [B] int32
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """The decode loop's carry."""
+
+    step: jax.Array  # int32: tokens emitted so far (the next column of `out`)
+    model_state: object  # the KVCache (cached path) or a RecomputeState
+    token: jax.Array  # [B] int32: the last sampled token, the next step's input
+    done: jax.Array  # [B] bool: the row emitted a stop token
+    out: jax.Array  # [B, max_new] int32, -1 after a row's stop
+    out_logits: jax.Array  # [B, max_new, V] float32 with return_logits, else [0]
+    kv_computed: jax.Array  # [B] int32
 
 
 def bucket_length(n: int, minimum: int = 8) -> int:
@@ -63,9 +89,16 @@ def _shard_cache(cache, mesh):
     """Keep the cache in the partition rules' layout through prefill and the decode loop (no-op on one device)."""
     if mesh is None:
         return cache
-    from causal_lm import parallel
-
     return jax.lax.with_sharding_constraint(cache, parallel.cache_shardings(cache, mesh))
+
+
+_traces = 0  # generation programs traced in this process; see compile_count()
+
+
+def compile_count() -> int:
+    """Number of generation programs compiled so far in this process (a new prompt bucket, batch size,
+    max_new_tokens or model shape compiles a new one; a new prompt length within a bucket does not)."""
+    return _traces
 
 
 @functools.partial(
@@ -91,6 +124,7 @@ def _generate_jit(
     top_k,
     top_p,
     stop_ids,
+    stream_id,
     *,
     graphdef,
     prompt_len,
@@ -102,6 +136,8 @@ def _generate_jit(
     stream,
     mesh=None,
 ):
+    global _traces
+    _traces += 1  # runs once per trace, i.e. once per compiled program
     model = nnx.merge(graphdef, state)
     c = model.config
     B = tokens.shape[0]
@@ -109,7 +145,6 @@ def _generate_jit(
     # in place instead of copying every layer's weights out of the stack at every step.
     layers = model.split_layers()
     total = prompt_len + max_new
-    arange_total = jnp.arange(total, dtype=jnp.int32)
 
     if use_cache:
         cache = _shard_cache(init_cache(c, B, total, cache_dtype), mesh)
@@ -127,68 +162,70 @@ def _generate_jit(
             return (cache, last), None
 
         last0 = jnp.zeros((B, c.vocab_size), jnp.float32)
-        (cache, first_logits), _ = jax.lax.scan(prefill_chunk, (cache, last0), jnp.arange(prompt_len // chunk))
-        step_state = cache
+        (model_state, first_logits), _ = jax.lax.scan(prefill_chunk, (cache, last0), jnp.arange(prompt_len // chunk))
 
-        def advance(step_state, tok, active):
-            logits, cache = model(
-                tok[:, None], segment_ids=active[:, None].astype(jnp.int32), cache=step_state, layers=layers
-            )
+        def advance(cache, tok, active):
+            """One token per active row through the cache: (logits [B, V], cache, K/V computed per row)."""
+            seg = active[:, None].astype(jnp.int32)
+            logits, cache = model(tok[:, None], segment_ids=seg, cache=cache, layers=layers)
             return logits[:, 0], _shard_cache(cache, mesh), active.astype(jnp.int32)
     else:
-        buf = jnp.zeros((B, total), jnp.int32).at[:, :prompt_len].set(tokens)
+        positions = jnp.arange(total, dtype=jnp.int32)
 
-        def full(buf, cur):
-            seg = (arange_total[None, :] < cur[:, None]).astype(jnp.int32)
-            logits, _ = model(buf, segment_ids=seg)
-            return _last_valid_logits(logits, cur - 1)
+        def full(rs: RecomputeState):
+            """The model over every row's whole sequence so far: logits [B, V] at each row's last token."""
+            seg = (positions[None, :] < rs.lengths[:, None]).astype(jnp.int32)
+            logits, _ = model(rs.tokens, segment_ids=seg)
+            return _last_valid_logits(logits, rs.lengths - 1)
 
-        first_logits = full(buf, lengths)
-        step_state = (buf, lengths)
+        model_state = RecomputeState(jnp.zeros((B, total), jnp.int32).at[:, :prompt_len].set(tokens), lengths)
+        first_logits = full(model_state)
 
-        def advance(step_state, tok, active):
-            buf, cur = step_state
-            buf = write_rows(buf[:, :, None], tok[:, None, None], cur)[:, :, 0]
-            cur = cur + active.astype(jnp.int32)
-            return full(buf, cur), (buf, cur), jnp.where(active, cur, 0)
+        def advance(rs: RecomputeState, tok, active):
+            """Append each active row's token and recompute: (logits, state, K/V computed per row: all of them)."""
+            col = jnp.where(active, rs.lengths, total)  # finished rows: dropped
+            buf = jax.vmap(lambda row, i, t: row.at[i].set(t, mode="drop"))(rs.tokens, col, tok)
+            rs = RecomputeState(buf, rs.lengths + active.astype(jnp.int32))
+            return full(rs), rs, jnp.where(active, rs.lengths, 0)
 
-    def emit(step, tok, logits, done, out, out_logits):
-        out = out.at[:, step].set(jnp.where(done, -1, tok))
-        if return_logits:
-            out_logits = out_logits.at[:, step].set(logits)
+    def emit(s: DecodeState, tok, logits) -> DecodeState:
+        """Record the step's token (-1 for rows already finished) and, when asked, its logits and the stream."""
+        shown = jnp.where(s.done, -1, tok)
+        out_logits = s.out_logits.at[:, s.step].set(logits) if return_logits else s.out_logits
         if stream:
             # (ordered effects need one device; on a mesh the loop's data dependence keeps steps in order)
-            io_callback(_stream_callback, None, step, jnp.where(done, -1, tok), ordered=mesh is None)
-        return out, out_logits
+            io_callback(STREAMS.dispatch, None, stream_id, s.step, shown, ordered=mesh is None)
+        done = s.done | jnp.isin(tok, stop_ids)
+        return dataclasses.replace(
+            s, step=s.step + 1, token=tok, done=done, out=s.out.at[:, s.step].set(shown), out_logits=out_logits
+        )
 
-    out = jnp.full((B, max_new), -1, jnp.int32)
-    out_logits = jnp.zeros((B, max_new, c.vocab_size) if return_logits else (0,), jnp.float32)
     tok = sample(first_logits, jax.random.fold_in(key, 0), temperature, top_k, top_p)
-    done = jnp.zeros((B,), bool)
-    out, out_logits = emit(0, tok, first_logits, done, out, out_logits)
-    done = jnp.isin(tok, stop_ids)
-    kv = lengths.astype(jnp.int32)
+    start = DecodeState(
+        step=jnp.int32(0),
+        model_state=model_state,
+        token=tok,
+        done=jnp.zeros((B,), bool),
+        out=jnp.full((B, max_new), -1, jnp.int32),
+        out_logits=jnp.zeros((B, max_new, c.vocab_size) if return_logits else (0,), jnp.float32),
+        kv_computed=lengths.astype(jnp.int32),
+    )
+    start = emit(start, tok, first_logits)
 
-    def cond(carry):
-        step, _, _, done, _, _, _ = carry
-        return (step < max_new) & ~jnp.all(done)
+    def cond(s: DecodeState):
+        return (s.step < max_new) & ~jnp.all(s.done)
 
-    def body(carry):
-        step, step_state, tok, done, out, out_logits, kv = carry
-        active = ~done
-        logits, step_state, kv_step = advance(step_state, tok, active)
-        new_tok = sample(logits, jax.random.fold_in(key, step), temperature, top_k, top_p)
-        new_tok = jnp.where(done, tok, new_tok)
-        out, out_logits = emit(step, new_tok, logits, done, out, out_logits)
-        done = done | jnp.isin(new_tok, stop_ids)
-        return step + 1, step_state, new_tok, done, out, out_logits, kv + kv_step
+    def body(s: DecodeState) -> DecodeState:
+        active = ~s.done
+        logits, model_state, kv_step = advance(s.model_state, s.token, active)
+        new_tok = sample(logits, jax.random.fold_in(key, s.step), temperature, top_k, top_p)
+        new_tok = jnp.where(s.done, s.token, new_tok)
+        s = dataclasses.replace(s, model_state=model_state, kv_computed=s.kv_computed + kv_step)
+        return emit(s, new_tok, logits)
 
-    carry = (jnp.int32(1), step_state, tok, done, out, out_logits, kv)
-    steps, _, _, _, out, out_logits, kv = jax.lax.while_loop(cond, body, carry)
-    result = (out, out_logits, kv, steps)
+    end = jax.lax.while_loop(cond, body, start)
+    result = (end.out, end.out_logits, end.kv_computed, end.step)
     if mesh is not None:  # replicated: every process can read the tokens
-        from causal_lm import parallel
-
         result = jax.lax.with_sharding_constraint(result, parallel.replicated(mesh))
     return result
 
@@ -196,25 +233,42 @@ def _generate_jit(
 @functools.lru_cache(maxsize=4)
 def _replicated_key(mesh):
     """jax.random.key(seed) made on every device of `mesh` (the same key as on one device)."""
-    from causal_lm import parallel
-
     return jax.jit(jax.random.key, out_shardings=parallel.replicated(mesh))
 
 
-_STREAM: list = [None]
-TRACES = [0]  # how many generation programs have been traced; see compile_count()
+def _check_prompts(prompts, vocab_size: int) -> list:
+    if isinstance(prompts, np.ndarray):
+        prompts = prompts.tolist()
+    if not isinstance(prompts, list | tuple) or not prompts:
+        raise GenerateError("prompts must be a non-empty list of token-id lists")
+    if isinstance(prompts[0], int | np.integer):
+        raise GenerateError("prompts must be a list of token-id lists (wrap a single prompt in a list)")
+    lens = [len(p) for p in prompts]
+    if min(lens) == 0:
+        raise GenerateError(f"prompt {lens.index(0)} is empty: generation needs at least one token to condition on")
+    for r, p in enumerate(prompts):
+        arr = np.asarray(p)
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise GenerateError(f"prompt {r} holds non-integer values")
+        if arr.min() < 0 or arr.max() >= vocab_size:
+            bad = int(arr[(arr < 0) | (arr >= vocab_size)][0])
+            raise GenerateError(f"prompt {r} has token id {bad} outside the vocabulary [0, {vocab_size})")
+    return prompts
 
 
-def compile_count() -> int:
-    """Number of generation programs compiled so far in this process (a new prompt bucket, batch size,
-    max_new_tokens or model shape compiles a new one; a new prompt length within a bucket does not)."""
-    return TRACES[0]
-
-
-def _stream_callback(step, toks):
-    fn = _STREAM[0]
-    if fn is not None:
-        fn(int(step), np.asarray(toks))
+def _check_sampling(temperature, top_k, top_p) -> None:
+    """NaN and infinity pass `< 0`-style checks silently (every comparison with NaN is False): test finiteness."""
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float | np.number):
+        raise GenerateError(f"temperature must be a number >= 0, got {temperature!r}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise GenerateError(f"temperature must be a finite number >= 0, got {temperature}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int | np.integer) or top_k < 1):
+        raise GenerateError(f"top_k must be an integer >= 1 or None, got {top_k!r}")
+    if top_p is not None:
+        if isinstance(top_p, bool) or not isinstance(top_p, int | float | np.number):
+            raise GenerateError(f"top_p must be a number in (0, 1] or None, got {top_p!r}")
+        if not math.isfinite(top_p) or not 0.0 < top_p <= 1.0:
+            raise GenerateError(f"top_p must be a finite number in (0, 1] or None, got {top_p}")
 
 
 def generate(
@@ -238,41 +292,25 @@ def generate(
 
     chunk_size: prefill the prompts in chunks of this many tokens (default: one chunk). on_step(step, tokens[B])
     is called from the device loop as each token is produced (-1 for finished rows), for streaming.
+    cache_dtype: the KV cache's storage type (see `init_cache`): float32, bfloat16, float16, int8, float8_e4m3fn.
     mesh: run on this `causal_lm.parallel` mesh (weights placed by the partition rules if they are not on it
     already). Default: the mesh the model's weights are laid out on, if any, else one device.
     """
     c = model.config
-    if isinstance(prompts, np.ndarray):
-        prompts = prompts.tolist()
-    if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise GenerateError("prompts must be a non-empty list of token-id lists")
-    if prompts and isinstance(prompts[0], (int, np.integer)):
-        raise GenerateError("prompts must be a list of token-id lists (wrap a single prompt in a list)")
+    prompts = _check_prompts(prompts, c.vocab_size)
     lens = [len(p) for p in prompts]
-    if min(lens) == 0:
-        raise GenerateError(f"prompt {lens.index(0)} is empty: generation needs at least one token to condition on")
-    for r, p in enumerate(prompts):
-        arr = np.asarray(p)
-        if not np.issubdtype(arr.dtype, np.integer):
-            raise GenerateError(f"prompt {r} holds non-integer values")
-        if arr.min() < 0 or arr.max() >= c.vocab_size:
-            bad = int(arr[(arr < 0) | (arr >= c.vocab_size)][0])
-            raise GenerateError(f"prompt {r} has token id {bad} outside the vocabulary [0, {c.vocab_size})")
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int | np.integer) or max_new_tokens < 1:
         raise GenerateError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if max(lens) + max_new_tokens > c.max_seq_len:
         raise GenerateError(
             f"prompt length {max(lens)} + max_new_tokens {max_new_tokens} = "
             f"{max(lens) + max_new_tokens} exceeds model.max_seq_len={c.max_seq_len}"
         )
-    if temperature < 0:
-        raise GenerateError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise GenerateError(f"top_k must be >= 1 or None, got {top_k}")
-    if top_p is not None and not 0.0 < top_p <= 1.0:
-        raise GenerateError(f"top_p must be in (0, 1] or None, got {top_p}")
-    if chunk_size is not None and chunk_size < 1:
-        raise GenerateError(f"chunk_size must be >= 1 or None, got {chunk_size}")
+    _check_sampling(temperature, top_k, top_p)
+    if chunk_size is not None and (not isinstance(chunk_size, int | np.integer) or chunk_size < 1):
+        raise GenerateError(f"chunk_size must be an integer >= 1 or None, got {chunk_size!r}")
+    if cache_dtype is not None and cache_dtype not in CACHE_DTYPES:
+        raise GenerateError(f"cache_dtype must be one of {tuple(CACHE_DTYPES)} or None, got {cache_dtype!r}")
     if use_cache:
         require_causal(c)
 
@@ -284,38 +322,28 @@ def generate(
         tokens[r, : len(p)] = p
     stop = np.full((max(8, len(stop_tokens)),), -2, np.int32)
     stop[: len(stop_tokens)] = list(stop_tokens)
+    scalars = (np.float32(temperature), np.int32(top_k or 0), np.float32(1.0 if top_p is None else top_p), stop)
 
     graphdef, state = nnx.split(model)
-    args = (
-        jnp.asarray(tokens),
-        jnp.asarray(lens, jnp.int32),
-        jax.random.key(seed),
-        jnp.float32(temperature),
-        jnp.int32(top_k or 0),
-        jnp.float32(1.0 if top_p is None else top_p),
-        jnp.asarray(stop),
-    )
     if mesh is None:
-        from causal_lm import parallel
-
         mesh = parallel.mesh_of(state)
-    if mesh is not None:
-        from causal_lm import parallel
-
+    if mesh is None:
+        args = (jnp.asarray(tokens), jnp.asarray(lens, jnp.int32), jax.random.key(seed)) + tuple(
+            jnp.asarray(a) for a in scalars
+        )
+    else:
         if parallel.mesh_of(state) != mesh:
             state = parallel.shard_tree(state, parallel.tree_shardings(state, mesh))
         # Built from host values on every process (arrays of one process's device cannot join a global jit).
         rows = parallel.shard_global_batch({"tokens": tokens, "lengths": np.asarray(lens, np.int32)}, mesh)
         key = _replicated_key(mesh)(parallel.replicate(np.uint32(seed), mesh))
-        args = (rows["tokens"], rows["lengths"], key) + tuple(
-            parallel.replicate(a, mesh)
-            for a in (np.float32(temperature), np.int32(top_k or 0), np.float32(1.0 if top_p is None else top_p), stop)
-        )
-    _STREAM[0] = on_step
-    try:
+        args = (rows["tokens"], rows["lengths"], key) + tuple(parallel.replicate(a, mesh) for a in scalars)
+    with STREAMS.open(on_step) as stream_id:
+        sid = np.int32(stream_id) if mesh is None else parallel.replicate(np.int32(stream_id), mesh)
         out, out_logits, kv, steps = _generate_jit(
             state,
             *args,
+            sid,
             graphdef=graphdef,
             prompt_len=prompt_len,
             chunk=chunk,
@@ -329,8 +357,6 @@ def generate(
         out = np.asarray(out)
         if on_step is not None:
             jax.effects_barrier()
-    finally:
-        _STREAM[0] = None
     steps = int(steps)
     rows = [[int(t) for t in row if t >= 0] for row in out]
     kv = [int(x) for x in np.asarray(kv)]

@@ -31,6 +31,8 @@ import numpy as np
 from flax import nnx
 
 from causal_lm.config import Config, config_to_dict, load_config
+from causal_lm.data.pipeline import build_data
+from causal_lm.train import load_for_inference, train_and_evaluate
 
 NAME = "attention-sink"
 HELP = "train softmax / sink-logit / output-gate models; share of attention on the first token per layer and head"
@@ -47,7 +49,7 @@ def default_config() -> Config:
 
 
 def variant_config(config: Config, name: str) -> Config:
-    return dataclasses.replace(config, model=dataclasses.replace(config.model, **VARIANTS[name]))
+    return dataclasses.replace(config, model=config.model.replace(**VARIANTS[name]))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
@@ -112,8 +114,6 @@ def run(
 
     min_position: 0 picks seq_len // 8 (16 for 128-token rows).
     """
-    from causal_lm.data.pipeline import build_data
-    from causal_lm.train import load_for_inference, train_and_evaluate
 
     config = config or default_config()
     unknown = [v for v in variants if v not in VARIANTS]

@@ -13,6 +13,8 @@ import numpy as np
 from flax import nnx
 
 from causal_lm.config import Config, load_config
+from causal_lm.data.pipeline import build_data
+from causal_lm.train import load_for_inference, train_and_evaluate
 
 
 def base_config(overrides: Sequence[str] = ()) -> Config:
@@ -23,13 +25,12 @@ def base_config(overrides: Sequence[str] = ()) -> Config:
 
 def with_model(config: Config, **changes) -> Config:
     """`config` with model fields replaced (the one thing a variant changes)."""
-    return dataclasses.replace(config, model=dataclasses.replace(config.model, **changes))
+    return dataclasses.replace(config, model=config.model.replace(**changes))
 
 
 def train_variant(config: Config, workdir: str):
     """Train `config` in `workdir` (a rerun resumes or reuses it); returns (last record, model, tokenizer, config
     as trained)."""
-    from causal_lm.train import load_for_inference, train_and_evaluate
 
     record = train_and_evaluate(config, workdir)
     model, tokenizer, trained = load_for_inference(workdir)
@@ -38,7 +39,6 @@ def train_variant(config: Config, workdir: str):
 
 def held_out_batches(config: Config, tokenizer, rows: int) -> list:
     """At least `rows` rows of the validation split (all of it if smaller), in fixed-shape batches."""
-    from causal_lm.data.pipeline import build_data
 
     bs = config.train.batch_size
     return build_data(config, tokenizer, max_val_batches=max(1, -(-rows // bs))).val

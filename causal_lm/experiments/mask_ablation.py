@@ -18,6 +18,7 @@ import os
 from collections.abc import Sequence
 
 from causal_lm.config import Config, config_to_dict
+from causal_lm.decode import generate
 from causal_lm.experiments.common import (
     base_config,
     held_out_batches,
@@ -27,6 +28,7 @@ from causal_lm.experiments.common import (
     write_json,
     write_text,
 )
+from causal_lm.train import evaluate, load_for_inference, read_metrics
 
 NAME = "mask-ablation"
 HELP = "train with and without the causal mask; evaluate the no-mask weights with the mask put back"
@@ -48,8 +50,6 @@ def run(
     eval_rows: int = 64,
 ) -> dict:
     """Train both variants in out_dir/<variant>, evaluate them on the same held-out rows, sample, write the report."""
-    from causal_lm.decode import generate
-    from causal_lm.train import evaluate, load_for_inference, read_metrics
 
     config = config or default_config()
     os.makedirs(out_dir, exist_ok=True)

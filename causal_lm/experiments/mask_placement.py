@@ -2,7 +2,7 @@
 
 For one prompt (default: the seeds' sentence 小明把苹果给了小王) and one head of one layer of a trained causal
 model, the four views: scores S, mask M, S + M, weights A, for both placements, with the real functions the
-model runs (`attention_scores`, `make_mask`, `masked_softmax`, `attend`):
+model runs (`grouped_scores`, `make_mask`, `masked_softmax`, `reference_attention`):
 
     before:  A = softmax(S + M),  M = 0 where key <= query, -inf (a large finite negative) elsewhere
     after:   A = softmax(S) * M,  M = 1 where key <= query, 0 elsewhere   (attention_mask="causal_after_softmax")
@@ -18,7 +18,6 @@ less than 1, by an amount set by the future's scores, so the past rows change wh
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import jax
@@ -36,6 +35,11 @@ from causal_lm.experiments.common import (
     write_json,
     write_text,
 )
+from causal_lm.model import build_model
+from causal_lm.model.kernels import default_scale, grouped_scores, masked_softmax, reference_attention
+from causal_lm.model.mask import AttentionMask, make_mask
+from causal_lm.model.rope import rope_tables
+from causal_lm.train import load_for_inference
 
 NAME = "mask-placement"
 HELP = "scores / mask / S+M / weights of one head, mask before vs zeroing after softmax, and a changed future token"
@@ -55,9 +59,6 @@ def layer_views(model, tokens, layer: int) -> dict:
     weights_before / weights_after [N, T, T] and out_before / out_after [T, N, H] (the heads' outputs A V).
     The block's input is the model's own residual stream (its configured mask) at that layer.
     """
-    from causal_lm.model.attention import attend, attention_scores, make_mask, masked_softmax
-    from causal_lm.model.rope import rope_tables
-
     c = model.config
     if c.attention_type != "mha":
         raise ValueError(f"layer_views covers MHA/GQA/MQA attention, not {c.attention_type!r}")
@@ -80,10 +81,11 @@ def layer_views(model, tokens, layer: int) -> dict:
     causal = make_mask(pos, pos, valid, causal=True, window=window)  # [1, T, T]
     everything = make_mask(pos, pos, valid, causal=False)
     sink = block.attn.sink[...] if c.attn_sink else None
-    scores = attention_scores(q, k)  # [1, K, G, T, S]
-    out_b, w_b = attend(q, k, v, causal, sink=sink, return_weights=True)
-    out_a, w_a = attend(q, k, v, everything, sink=sink, zero_after=causal, return_weights=True)
-    # attend's weights come from masked_softmax over the same scores; check the views are that computation
+    scale = default_scale(q.shape[-1])
+    scores = grouped_scores(q, k, scale)  # [1, K, G, T, S]
+    out_b, w_b = reference_attention(q, k, v, AttentionMask(causal), scale=scale, sink=sink)
+    out_a, w_a = reference_attention(q, k, v, AttentionMask(everything, zero_after=causal), scale=scale, sink=sink)
+    # the kernel's weights come from masked_softmax over the same scores; check the views are that computation
     assert np.allclose(np.asarray(masked_softmax(scores, causal, sink=sink)).reshape(w_b.shape), w_b, atol=1e-6)
     N = c.num_heads
     return {
@@ -98,9 +100,8 @@ def layer_views(model, tokens, layer: int) -> dict:
 
 def _placement_model(model, mask: str):
     """The same weights run with attention_mask=`mask` (a new module sharing no state with `model`)."""
-    from causal_lm.model import build_model
 
-    other = nnx.eval_shape(lambda: build_model(dataclasses.replace(model.config, attention_mask=mask)))
+    other = nnx.eval_shape(lambda: build_model(model.config.replace(attention_mask=mask)))
     graphdef, _ = nnx.split(other)
     _, state = nnx.split(model)
     return nnx.merge(graphdef, state)
@@ -123,7 +124,6 @@ def run(
     prompt (averaged over rows): a head that already looks only backwards hides the difference, one that looks
     mostly forwards leaves almost nothing to draw after zeroing.
     """
-    from causal_lm.train import load_for_inference
 
     config = config or default_config()
     os.makedirs(out_dir, exist_ok=True)
@@ -156,7 +156,8 @@ def run(
     for name, mask in (("before", "causal"), ("after", "causal_after_softmax")):
         m = _placement_model(model, mask)
         toks = np.asarray([ids, alt], np.int32)
-        logits, _, weights = m.forward(toks, return_weights=True)
+        o = m.forward(toks, return_weights=True)
+        logits, weights = o.logits, o.weights
         w = np.asarray(weights[layer, :, head], np.float64)  # [2, T, T]
         dw = np.abs(w[1] - w[0])  # [T, T]
         dl = np.abs(np.asarray(logits[1], np.float64) - np.asarray(logits[0], np.float64)).max(-1)  # [T]

@@ -33,6 +33,7 @@ from causal_lm.experiments.common import (
     write_json,
     write_text,
 )
+from causal_lm.train import evaluate
 
 NAME = "nope-position"
 HELP = "train NoPE models with and without the causal mask; linear probe for token position per layer"
@@ -119,7 +120,6 @@ def probe_layers(hidden, positions, rows, seed: int = 0) -> dict:
 
 def run(config: Config | None = None, out_dir: str = "runs/nope_position", *, probe_rows: int = 512) -> dict:
     """Train both NoPE variants in out_dir/<variant>, probe every layer on held-out rows, write the report."""
-    from causal_lm.train import evaluate
 
     config = config or default_config()
     config = with_model(config, position="none")

@@ -28,7 +28,14 @@ import jax
 import numpy as np
 
 from causal_lm.config import Config, config_to_dict, load_config
+from causal_lm.data.pipeline import build_data
+from causal_lm.data.tokenizer import tokenizer_from_spec
+from causal_lm.decode import generate
 from causal_lm.experiments.common import pyplot, write_json, write_text
+from causal_lm.model import build_model
+from causal_lm.model.functional import forward
+from causal_lm.train import load_for_inference
+from causal_lm.train.loop import resolve_config
 
 NAME = "prefix-cost"
 HELP = "one forward vs every prefix (5 tokens -> 15 positions, logits equal), and generation with vs without cache"
@@ -43,26 +50,18 @@ def default_config() -> Config:
 
 
 def _tokenizer(config: Config):
-    from causal_lm.data.tokenizer import tokenizer_from_spec
-
     if config.data.tokenizer == "char":  # the vocabulary comes from the corpus
-        from causal_lm.data.pipeline import build_data
-
         return build_data(config).tokenizer
     return tokenizer_from_spec(config.data.tokenizer)
 
 
 def _model(config: Config, workdir: str | None):
-    from causal_lm.model import build_model
-    from causal_lm.train import load_for_inference
-    from causal_lm.train.loop import resolve_config
-
     if workdir is not None:
         model, tokenizer, config = load_for_inference(workdir, overrides=["model.attention_mask=causal"])
         return model, tokenizer, config
     tokenizer = _tokenizer(config)
     config = resolve_config(config, tokenizer)
-    config = dataclasses.replace(config, model=dataclasses.replace(config.model, attention_mask="causal"))
+    config = dataclasses.replace(config, model=config.model.replace(attention_mask="causal"))
     return build_model(config.model, config.train.seed), tokenizer, config
 
 
@@ -83,7 +82,6 @@ def _best_time(fn, repeats: int) -> float:
 
 def forward_vs_prefixes(model, ids: Sequence[int], repeats: int = 3) -> dict:
     """Logits of one forward over ids vs the last position of a forward over each prefix, and both timed."""
-    from causal_lm.model.functional import forward
 
     T = len(ids)
     tokens = np.asarray([ids], np.int32)
@@ -105,7 +103,6 @@ def forward_vs_prefixes(model, ids: Sequence[int], repeats: int = 3) -> dict:
 
 def generation_cost(model, ids: Sequence[int], new_tokens: int, repeats: int = 2) -> dict:
     """Greedy generation with and without the cache: K/V vectors computed, tokens, time per new token."""
-    from causal_lm.decode import generate
 
     out = {"prompt_tokens": len(ids), "new_tokens": new_tokens, "context": len(ids) + new_tokens}
     tokens = {}

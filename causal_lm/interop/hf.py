@@ -219,7 +219,7 @@ def hf_config_from_model(
     problems = []
     if c.position != "rope":
         problems.append(f"position={c.position!r} (needs 'rope')")
-    elif c.rope_dim != c.head_size:
+    elif c.rope_dim != c.head_dim:
         problems.append(f"rope_fraction={c.rope_fraction} (needs 1.0: RoPE on the whole head)")
     if c.attention_mask != "causal":
         problems.append(f"attention_mask={c.attention_mask!r} (needs 'causal')")
@@ -254,8 +254,8 @@ def hf_config_from_model(
         "intermediate_size": c.mlp_dim,
         "num_hidden_layers": c.num_layers,
         "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.kv_heads,
-        "head_dim": c.head_size,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": c.max_seq_len,
         "rms_norm_eps": c.norm_eps,
@@ -311,7 +311,7 @@ class _Param:
 
 
 def _param_table(c: ModelConfig) -> list[_Param]:
-    D, N, K, H, F, V = c.d_model, c.num_heads, c.kv_heads, c.head_size, c.mlp_dim, c.vocab_size
+    D, N, K, H, F, V = c.d_model, c.num_heads, c.num_kv_heads, c.head_dim, c.mlp_dim, c.vocab_size
     pre = "model.layers.{i}."
 
     def lin_in(heads):  # [heads*H, D] <-> [D, heads, H]

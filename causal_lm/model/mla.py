@@ -1,6 +1,6 @@
 """Multi-head latent attention (MLA, DeepSeek-V2): cache a low-rank latent instead of K and V.
 
-Shape letters as in attention.py, plus R kv_lora_rank (the cached latent), Q q_lora_rank, Hn the no-position
+Shape letters as in kernels.py, plus R kv_lora_rank (the cached latent), Q q_lora_rank, Hn the no-position
 dims of each head's query/key, Hr the RoPE dims, Hv the value dims.
 
 Per token, one down-projection gives the latent c = norm(x W_dkv) [R] and one RoPE key k_r [Hr] shared by all
@@ -18,6 +18,10 @@ Two ways to attend over a cache, chosen by `mla_absorb`, equal up to float round
               is applied once to that sum: K and V are never materialised, which is what makes decoding
               over a long cache cheap (DeepSeek's inference code does the same).
 Without a cache (training, and the recompute path of generate) the expanded form is used.
+
+Both forms go through the shared kernels (kernels.py): the expanded one is ordinary attention over N heads whose
+keys are [k_nope | k_r] (k_r broadcast over the heads), the absorbed one is MQA over the latent (one "KV head"
+whose key is [latent | k_r] and whose value is the latent).
 """
 
 from __future__ import annotations
@@ -27,41 +31,37 @@ import jax.numpy as jnp
 from flax import nnx
 
 from causal_lm.config import ModelConfig
-from causal_lm.model.attention import _normal, masked_softmax
-from causal_lm.model.kv_cache import write_layer_rows
+from causal_lm.model.context import AttentionContext
+from causal_lm.model.kernels import attention, grouped_scores, grouped_values, masked_softmax
+from causal_lm.model.kv_cache import KVCache
+from causal_lm.model.layers import normal_param, rms_norm
 from causal_lm.model.rope import apply_rope
 
 
-def _rms_norm(x, scale, eps):
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * scale.astype(jnp.float32)).astype(x.dtype)
-
-
 class MLAttention(nnx.Module):
-    """DeepSeek-V2 multi-head latent attention. Same call signature as `Attention`; its layer cache is
-    (latent [B, S, R], rope_key [B, S, Hr])."""
+    """DeepSeek-V2 multi-head latent attention. Same call signature as `Attention`; what it caches per layer and
+    token is the latent [R] and the rope key [Hr]."""
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         c = config
         D, N, R = c.d_model, c.num_heads, c.kv_lora_rank
-        Hn, Hr, Hv = c.qk_nope_dim, c.rope_dim, c.v_dim
+        Hn, Hr, Hv = c.qk_nope_head_dim, c.rope_dim, c.v_head_dim
         pd = jnp.dtype(c.param_dtype)
         std = c.init_std
         self.config = c
         if c.q_lora_rank:
-            self.wq_a = _normal(rngs, (D, c.q_lora_rank), std, pd)  # down to the query latent
+            self.wq_a = normal_param(rngs, (D, c.q_lora_rank), std, pd)  # down to the query latent
             self.q_norm = nnx.Param(jnp.ones((c.q_lora_rank,), pd))
-            self.wq_b = _normal(rngs, (c.q_lora_rank, N, Hn + Hr), std, pd)
+            self.wq_b = normal_param(rngs, (c.q_lora_rank, N, Hn + Hr), std, pd)
         else:
-            self.wq = _normal(rngs, (D, N, Hn + Hr), std, pd)
-        self.wkv_a = _normal(rngs, (D, R + Hr), std, pd)  # down to [latent | rope key]
+            self.wq = normal_param(rngs, (D, N, Hn + Hr), std, pd)
+        self.wkv_a = normal_param(rngs, (D, R + Hr), std, pd)  # down to [latent | rope key]
         self.kv_norm = nnx.Param(jnp.ones((R,), pd))
-        self.wk_b = _normal(rngs, (R, N, Hn), std, pd)  # latent -> each head's no-position key
-        self.wv_b = _normal(rngs, (R, N, Hv), std, pd)  # latent -> each head's value
-        self.wo = _normal(rngs, (N, Hv, D), std / (2 * c.num_layers) ** 0.5, pd)
+        self.wk_b = normal_param(rngs, (R, N, Hn), std, pd)  # latent -> each head's no-position key
+        self.wv_b = normal_param(rngs, (R, N, Hv), std, pd)  # latent -> each head's value
+        self.wo = normal_param(rngs, (N, Hv, D), std / (2 * c.num_layers) ** 0.5, pd)
         if c.attn_output_gate:
-            self.wg = _normal(rngs, (D, N, Hv), std, pd)
+            self.wg = normal_param(rngs, (D, N, Hv), std, pd)
         if c.attn_sink:
             self.sink = nnx.Param(jnp.zeros((N,), pd))
 
@@ -70,11 +70,11 @@ class MLAttention(nnx.Module):
         c = self.config
         dt = jnp.dtype(c.dtype)
         if c.q_lora_rank:
-            cq = _rms_norm(jnp.einsum("btd,dq->btq", x, self.wq_a[...].astype(dt)), self.q_norm[...], c.norm_eps)
+            cq = rms_norm(jnp.einsum("btd,dq->btq", x, self.wq_a[...].astype(dt)), self.q_norm[...], c.norm_eps)
             q = jnp.einsum("btq,qnh->btnh", cq, self.wq_b[...].astype(dt))
         else:
             q = jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(dt))
-        q_nope, q_rope = q[..., : c.qk_nope_dim], q[..., c.qk_nope_dim :]
+        q_nope, q_rope = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
         if cos is not None:
             q_rope = apply_rope(q_rope, cos, sin)
         return q_nope, q_rope
@@ -84,63 +84,47 @@ class MLAttention(nnx.Module):
         c = self.config
         dt = jnp.dtype(c.dtype)
         ckv = jnp.einsum("btd,dr->btr", x, self.wkv_a[...].astype(dt))
-        latent = _rms_norm(ckv[..., : c.kv_lora_rank], self.kv_norm[...], c.norm_eps)
+        latent = rms_norm(ckv[..., : c.kv_lora_rank], self.kv_norm[...], c.norm_eps)
         rope_key = ckv[..., c.kv_lora_rank :]
         if cos is not None:
             rope_key = apply_rope(rope_key[:, :, None, :], cos, sin)[:, :, 0, :]
         return latent, rope_key
 
-    def __call__(
-        self,
-        x,
-        *,
-        cos,
-        sin,
-        visible,
-        zero_after=None,
-        layer_cache=None,
-        starts=None,
-        return_weights=False,
-        query_block=0,
-    ):
-        """x: [B, T, D] -> (out [B, T, D], new layer cache or None, weights [B, N, T, S] or None).
-        query_block is accepted for the Block interface and unused: MLA scores all keys in one block."""
+    def __call__(self, x, ctx: AttentionContext, cache: KVCache | None = None, layer=0):
+        """x [B, T, D] -> (out [B, T, D], the cache with this layer's latent written, weights [B, N, T, S] or None)."""
         c = self.config
         dt = jnp.dtype(c.dtype)
-        q_nope, q_rope = self.project_q(x, cos, sin)  # [B, T, N, Hn], [B, T, N, Hr]
-        latent_new, rope_new = self.project_latent(x, cos, sin)  # [B, T, R], [B, T, Hr]
-        if layer_cache is None:
-            latent, rope_key, new_cache = latent_new, rope_new, None
-        else:
-            (cached_latent, cached_rope), layer = layer_cache  # [L, B, S, R], [L, B, S, Hr]
-            new_cache = (
-                write_layer_rows(cached_latent, layer, latent_new, starts),
-                write_layer_rows(cached_rope, layer, rope_new, starts),
-            )
-            latent, rope_key = new_cache[0][layer].astype(dt), new_cache[1][layer].astype(dt)  # [B, S, R], [B, S, Hr]
+        q_nope, q_rope = self.project_q(x, ctx.cos, ctx.sin)  # [B, T, N, Hn], [B, T, N, Hr]
+        latent, rope_key = self.project_latent(x, ctx.cos, ctx.sin)  # [B, T, R], [B, T, Hr]
+        if cache is not None:
+            cache, kv = cache.update(layer, {"latent": latent, "rope_key": rope_key}, ctx.plan)
+            latent, rope_key = kv["latent"], kv["rope_key"]  # [B, S, R], [B, S, Hr]
+        mask = ctx.mask_for(layer)
         wk_b, wv_b = self.wk_b[...].astype(dt), self.wv_b[...].astype(dt)
-        scale = 1.0 / jnp.sqrt(jnp.float32(c.qk_nope_dim + c.rope_dim))
-        f32 = jnp.float32
-        rope_scores = jnp.einsum("btnh,bsh->bnts", q_rope, rope_key, preferred_element_type=f32)  # [B, N, T, S]
-        absorbed = c.mla_absorb and layer_cache is not None
-        if absorbed:
-            q_latent = jnp.einsum("btnh,rnh->btnr", q_nope, wk_b)  # W_uk folded into the query: [B, T, N, R]
-            scores = jnp.einsum("btnr,bsr->bnts", q_latent, latent, preferred_element_type=f32)
-        else:
-            k_nope = jnp.einsum("bsr,rnh->bsnh", latent, wk_b)  # [B, S, N, Hn]
-            scores = jnp.einsum("btnh,bsnh->bnts", q_nope, k_nope, preferred_element_type=f32)
-        scores = (scores + rope_scores) * scale
+        scale = float(c.qk_nope_head_dim + c.rope_dim) ** -0.5
         sink = self.sink[...] if c.attn_sink else None
-        # One KV group of N heads: the [B, K, G, T, S] layout of masked_softmax with K = 1, G = N.
-        weights = masked_softmax(scores[:, None], visible, sink=sink, zero_after=zero_after)[:, 0]  # [B, N, T, S]
-        if absorbed:
-            out_latent = jnp.einsum("bnts,bsr->btnr", weights.astype(dt), latent)  # [B, T, N, R]
-            out = jnp.einsum("btnr,rnh->btnh", out_latent, wv_b)  # W_uv applied once, after the sum
+        B, T, N, _ = q_nope.shape
+        if c.mla_absorb and cache is not None:
+            # MQA over the latent: q_nope W_uk^T is a query in latent space; one shared key [latent | k_r] and
+            # value (the latent) for all N heads; W_uv is applied once to the weighted sum of latents.
+            q_latent = jnp.einsum("btnh,rnh->btnr", q_nope, wk_b)  # [B, T, N, R]
+            scores = grouped_scores(q_latent, latent[:, :, None], scale) + grouped_scores(
+                q_rope, rope_key[:, :, None], scale
+            )  # [B, 1, N, T, S]
+            weights = masked_softmax(scores, mask.visible, sink=sink, zero_after=mask.zero_after)
+            out_latent = grouped_values(weights, latent[:, :, None])  # [B, T, N, R]
+            out = jnp.einsum("btnr,rnh->btnh", out_latent, wv_b)
+            weights = weights.reshape(B, N, T, -1) if ctx.return_weights else None
         else:
+            # Expanded: every head's key [k_nope | k_r] and value from the latent, then ordinary attention.
+            S = latent.shape[1]
+            k_nope = jnp.einsum("bsr,rnh->bsnh", latent, wk_b)  # [B, S, N, Hn]
+            k = jnp.concatenate([k_nope, jnp.broadcast_to(rope_key[:, :, None, :], (B, S, N, c.rope_dim))], -1)
             v = jnp.einsum("bsr,rnh->bsnh", latent, wv_b)  # [B, S, N, Hv]
-            out = jnp.einsum("bnts,bsnh->btnh", weights.astype(dt), v)  # [B, T, N, Hv]
+            q = jnp.concatenate([q_nope, q_rope], axis=-1)
+            out, weights = attention(q, k, v, mask, scale=scale, sink=sink, return_weights=ctx.return_weights)
         if c.attn_output_gate:
-            gate = jax.nn.sigmoid(jnp.einsum("btd,dnh->btnh", x, self.wg[...].astype(dt)).astype(f32))
-            out = (out.astype(f32) * gate).astype(dt)
+            gate = jax.nn.sigmoid(jnp.einsum("btd,dnh->btnh", x, self.wg[...].astype(dt)).astype(jnp.float32))
+            out = (out.astype(jnp.float32) * gate).astype(dt)
         out = jnp.einsum("btnh,nhd->btd", out.astype(dt), self.wo[...].astype(dt))
-        return out, new_cache, (weights if return_weights else None)
+        return out, cache, weights

@@ -1,10 +1,13 @@
-"""The decoder: embed -> scan(pre-norm blocks) -> final norm -> logits.
+"""The decoder: embed -> pre-norm blocks (stacked, scanned) -> final norm -> logits.
 
-Layers are built once, their parameters stacked along a leading L axis, and run with `lax.scan` so the
-compiled program (and compile time) does not grow with depth. `scan_layers=False` unrolls the same body.
+Layers are built once, their parameters stacked along a leading L axis, and run with `lax.scan` so the compiled
+program (and compile time) does not grow with depth. `scan_layers=False` unrolls the same body, and so does a call
+over a cache with several slot layouts (local and global layers: each layout's arrays have their own shapes).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -12,8 +15,11 @@ import numpy as np
 from flax import nnx
 
 from causal_lm.config import ModelConfig
-from causal_lm.model.attention import Attention, _normal, make_mask, project
+from causal_lm.model.attention import Attention
+from causal_lm.model.context import AttentionContext
 from causal_lm.model.kv_cache import KVCache, check_capacity, require_causal
+from causal_lm.model.layers import MLP, RMSNorm, normal_param, project
+from causal_lm.model.mask import AttentionMask, increasing_within_segments, make_mask, segment_positions
 from causal_lm.model.mla import MLAttention
 from causal_lm.model.rope import rope_tables
 
@@ -22,31 +28,15 @@ class InputError(ValueError):
     """Bad tokens, positions or segment ids given to the model."""
 
 
-class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, param_dtype):
-        self.eps = eps
-        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ModelOutput:
+    """What `Decoder.forward` returns."""
 
-    def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
-
-
-class MLP(nnx.Module):
-    """SwiGLU: down(silu(x W_gate) * (x W_up))."""
-
-    def __init__(self, c: ModelConfig, rngs: nnx.Rngs):
-        pd = jnp.dtype(c.param_dtype)
-        self.dtype = jnp.dtype(c.dtype)
-        self.w_gate = _normal(rngs, (c.d_model, c.mlp_dim), c.init_std, pd)
-        self.w_up = _normal(rngs, (c.d_model, c.mlp_dim), c.init_std, pd)
-        self.w_down = _normal(rngs, (c.mlp_dim, c.d_model), c.init_std / (2 * c.num_layers) ** 0.5, pd)
-
-    def __call__(self, x):
-        dt = self.dtype
-        h = jax.nn.silu(project(x, self.w_gate[...].astype(dt))) * project(x, self.w_up[...].astype(dt))  # [B, T, F]
-        return project(h, self.w_down[...].astype(dt))
+    logits: jax.Array  # [B, T, V] float32
+    cache: KVCache | None = None  # the cache with this call's tokens added (when one was given)
+    weights: jax.Array | None = None  # [L, B, N, T, S] float32 attention weights (return_weights=True)
+    hidden: jax.Array | None = None  # [L+1, B, T, D] residual stream: embeddings, then each block (return_hidden)
 
 
 class Block(nnx.Module):
@@ -57,45 +47,12 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(c.d_model, c.norm_eps, pd)
         self.mlp = MLP(c, rngs)
 
-    def __call__(self, x, ctx: dict, layer_cache=None):
-        h, new_cache, weights = self.attn(
-            self.attn_norm(x),
-            cos=ctx["cos"],
-            sin=ctx["sin"],
-            visible=ctx["visible"],
-            zero_after=ctx["zero_after"],
-            layer_cache=layer_cache,
-            starts=ctx["starts"],
-            return_weights=ctx["return_weights"],
-            query_block=ctx["query_block"],
-        )
+    def __call__(self, x, ctx: AttentionContext, cache: KVCache | None = None, layer=0):
+        """x [B, T, D] -> (x, cache, attention weights or None)."""
+        h, cache, weights = self.attn(self.attn_norm(x), ctx, cache, layer)
         x = x + h
         x = x + self.mlp(self.mlp_norm(x))
-        return x, new_cache, weights
-
-
-def _segment_positions(segment_ids):
-    """Positions that restart at 0 at every segment boundary: [B, T]."""
-    T = segment_ids.shape[1]
-    idx = jnp.arange(T, dtype=jnp.int32)[None, :]
-    boundary = jnp.concatenate(
-        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
-    )
-    seg_start = jax.lax.cummax(jnp.where(boundary, idx, 0), axis=1)
-    return idx - seg_start
-
-
-def causal_query_block(T: int) -> int:
-    """Query block size for causal attention over T tokens of the model's own positions (0: one block).
-
-    At most 8 blocks of at least 64 queries: block i then scores (i + 1) / 8 of the keys, 56% of the full square in
-    all, while each block's matmuls stay large enough for the CPU and the number of ops stays small (measured at
-    the benchmark shape, T=256: 64-query blocks take attention's forward + backward from 0.15 to 0.12 CPU-s per
-    layer; 32 or 128 are slower).
-    """
-    if T <= 64:
-        return 0
-    return max(64, -(-T // 8))
+        return x, cache, weights
 
 
 def _is_concrete(*xs) -> bool:
@@ -109,9 +66,9 @@ class Decoder(nnx.Module):
         c = config
         self.config = c
         pd = jnp.dtype(c.param_dtype)
-        self.embed = _normal(rngs, (c.vocab_size, c.d_model), c.init_std, pd)
+        self.embed = normal_param(rngs, (c.vocab_size, c.d_model), c.init_std, pd)
         if c.position == "learned":
-            self.pos_embed = _normal(rngs, (c.max_seq_len, c.d_model), c.init_std, pd)
+            self.pos_embed = normal_param(rngs, (c.max_seq_len, c.d_model), c.init_std, pd)
         # Build L blocks, then stack their parameters on a leading axis: one Block whose arrays are [L, ...].
         blocks = [Block(c, rngs) for _ in range(c.num_layers)]
         graphdef, _ = nnx.split(blocks[0])
@@ -119,7 +76,7 @@ class Decoder(nnx.Module):
         self.blocks = nnx.merge(graphdef, stacked)
         self.final_norm = RMSNorm(c.d_model, c.norm_eps, pd)
         if not c.tie_embeddings:
-            self.lm_head = _normal(rngs, (c.d_model, c.vocab_size), c.init_std, pd)
+            self.lm_head = normal_param(rngs, (c.d_model, c.vocab_size), c.init_std, pd)
 
     # ---- public entry points -----------------------------------------------------------------------------
     def __call__(self, tokens, *, positions=None, segment_ids=None, cache: KVCache | None = None, layers=None):
@@ -131,25 +88,25 @@ class Decoder(nnx.Module):
         (right padding) and segment_ids only marks which are valid. layers: `split_layers()` of this model, to
         run the blocks on weights sliced once by the caller (see there).
         """
-        logits, cache, _ = self.forward(
-            tokens, positions=positions, segment_ids=segment_ids, cache=cache, layers=layers
-        )
-        return logits, cache
+        out = self.forward(tokens, positions=positions, segment_ids=segment_ids, cache=cache, layers=layers)
+        return out.logits, out.cache
 
     def attention_weights(self, tokens, *, positions=None, segment_ids=None):
-        """Attention weights of every layer and head: float32 [L, B, N, T, T] (einsum path)."""
-        _, _, weights = self.forward(tokens, positions=positions, segment_ids=segment_ids, return_weights=True)
-        return weights
+        """Attention weights of every layer and head: float32 [L, B, N, T, T] (the reference kernel)."""
+        return self.forward(tokens, positions=positions, segment_ids=segment_ids, return_weights=True).weights
 
     def hidden_states(self, tokens, *, positions=None, segment_ids=None):
         """The residual stream: [L+1, B, T, D] in the compute dtype; index 0 is the embedding output, index l the
         output of block l (before the final norm). For probes, e.g. what position the layers encode."""
-        return self.forward(tokens, positions=positions, segment_ids=segment_ids, return_hidden=True)[3]
+        return self.forward(tokens, positions=positions, segment_ids=segment_ids, return_hidden=True).hidden
 
-    # ---- implementation -------------------------------------------------------------------------------------
-    def validate(self, tokens, positions=None, segment_ids=None, cache=None) -> None:
+    def validate(self, tokens, positions=None, segment_ids=None, cache=None, *, require_increasing_positions=False):
         """Host-side checks at the API boundary (skipped under tracing). JAX clamps out-of-range gathers and
-        cache writes silently, so bad ids and overflows must be caught here, before any compute."""
+        cache writes silently, so bad ids and overflows must be caught here, before any compute.
+
+        require_increasing_positions: also refuse positions that do not strictly increase within each segment of a
+        row. They are accepted by default on purpose: positions, not array order, define what the mask lets a
+        token see, and repeated or decreasing ones mean exactly what the mask's formula says."""
         c = self.config
         if not _is_concrete(tokens, positions, segment_ids, None if cache is None else cache.lengths):
             return
@@ -174,9 +131,11 @@ class Decoder(nnx.Module):
             require_causal(c)
             if cache.batch_size != t.shape[0]:
                 raise InputError(f"cache holds {cache.batch_size} rows but tokens have {t.shape[0]}")
-            check_capacity(cache, t.shape[1])
+            if cache.num_layers != c.num_layers:
+                raise InputError(f"cache holds {cache.num_layers} layers but the model has {c.num_layers}")
             lengths = np.asarray(cache.lengths)
             n_valid = t.shape[1] if segment_ids is None else np.asarray(segment_ids != 0).sum(1)
+            check_capacity(cache, n_valid)
             if np.max(lengths + n_valid) > c.max_seq_len:
                 raise InputError(
                     f"cached length + new tokens ({int(np.max(lengths + n_valid))}) exceeds "
@@ -186,8 +145,8 @@ class Decoder(nnx.Module):
                 np.asarray(positions), lengths[:, None] + np.arange(t.shape[1])[None]
             ):
                 raise InputError(
-                    "with a cache, positions must be each row's cached length + 0..T-1 "
-                    "(slot index == position); leave positions=None"
+                    "with a cache, positions must be each row's cached length + 0..T-1 (the cache assigns them); "
+                    "leave positions=None"
                 )
         if positions is not None:
             p = np.asarray(positions)
@@ -195,6 +154,8 @@ class Decoder(nnx.Module):
                 raise InputError(
                     f"positions must be in [0, max_seq_len={c.max_seq_len}), got range [{p.min()}, {p.max()}]"
                 )
+            if require_increasing_positions and not increasing_within_segments(p, segment_ids):
+                raise InputError("positions must strictly increase within each segment of a row")
 
     def forward(
         self,
@@ -207,10 +168,9 @@ class Decoder(nnx.Module):
         input_embeddings=None,
         return_hidden=False,
         layers=None,
-    ):
-        """(logits, new cache, weights). input_embeddings [B, T, D] replaces the token lookup (for gradient
-        probes such as the no-leak test); tokens still give the shape. return_hidden=True appends the residual
-        stream [L+1, B, T, D] (embeddings, then each block's output) as a fourth element."""
+    ) -> ModelOutput:
+        """The whole forward pass as a `ModelOutput`. input_embeddings [B, T, D] replaces the token lookup (for
+        gradient probes such as the no-leak test); tokens still give the shape."""
         self.validate(tokens, positions, segment_ids, cache)
         c = self.config
         dt = jnp.dtype(c.dtype)
@@ -218,125 +178,118 @@ class Decoder(nnx.Module):
         B, T = tokens.shape
         valid = jnp.ones((B, T), bool) if segment_ids is None else (jnp.asarray(segment_ids) != 0)
 
-        query_block = 0
         if cache is None:
-            if positions is None:
-                positions = (
-                    jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-                    if segment_ids is None
-                    else _segment_positions(jnp.asarray(segment_ids))
-                )
-                # Positions made here increase within each segment, so under the causal mask no key after a
-                # query's index is visible: attention may skip those blocks (same result, half the work).
-                query_block = causal_query_block(T) if c.attention_mask == "causal" else 0
-            positions = jnp.asarray(positions, jnp.int32)
-            key_pos, key_valid, starts = positions, valid, None
-            q_seg = k_seg = None if segment_ids is None else jnp.asarray(segment_ids)
+            positions, ctx = self._self_attention_context(positions, segment_ids, valid)
         else:
-            starts = cache.lengths
-            positions = starts[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
-            new_lengths = starts + jnp.sum(valid, axis=1, dtype=jnp.int32)
-            S = cache.max_len
-            key_pos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-            key_valid = key_pos < new_lengths[:, None]
-            q_seg = k_seg = None
-
-        def masks(window=None):
-            """(visible, zero_after) for a layer with this sliding window (None/0: global)."""
-            visible_causal = make_mask(positions, key_pos, key_valid, q_seg, k_seg, causal=True, window=window)
-            if c.attention_mask == "causal":
-                return visible_causal, None
-            visible = make_mask(positions, key_pos, key_valid, q_seg, k_seg, causal=False)
-            return visible, (visible_causal if c.attention_mask == "causal_after_softmax" else None)
-
-        # Sliding windows: one mask for all layers when they share a window; otherwise each layer builds its own
-        # inside the scan from its window (a traced scalar), so the stacked layers still scan as one body.
-        windows = c.layer_windows
-        visible, zero_after = masks(windows[0] if len(set(windows)) == 1 else None)
+            plan = cache.plan_write(valid)
+            positions = plan.query_positions
+            masks = tuple(
+                AttentionMask(
+                    make_mask(positions, kp, kp >= 0, window=group.window or None),
+                )
+                for group, kp in ((g, cache.key_positions(i, plan)) for i, g in enumerate(cache.groups))
+            )
+            mask_of_layer = tuple(cache.locate(layer)[0] for layer in range(c.num_layers))
+            ctx = AttentionContext(None, None, masks, mask_of_layer, plan=plan)
 
         x = self.embed[...].astype(dt)[tokens] if input_embeddings is None else input_embeddings.astype(dt)
         if c.position == "learned":
             # Only padding can sit past max_seq_len (real positions are validated above); clamp it explicitly.
             x = x + self.pos_embed[...].astype(dt)[jnp.minimum(positions, c.max_seq_len - 1)]
-        cos = sin = None
         if c.position == "rope":
             cos, sin = rope_tables(positions, c.rope_dim, c.rope_theta)
-        ctx = dict(
-            cos=cos,
-            sin=sin,
-            visible=visible,
-            zero_after=zero_after,
-            starts=starts,
-            query_block=query_block,
-            return_weights=return_weights,
-            return_hidden=return_hidden,
-            masks=masks if len(set(windows)) > 1 else None,
-        )
+            ctx = dataclasses.replace(ctx, cos=cos, sin=sin)
+        ctx = dataclasses.replace(ctx, return_weights=return_weights)
 
         x0 = x
-        x, new_kv, weights = self._run_blocks(x, ctx, None if cache is None else cache.buffers, layers)
-        hidden = None
-        if return_hidden:  # the scan emitted (weights, block outputs)
-            weights, hidden = weights
+        x, cache, weights, hidden = self._run_blocks(x, ctx, cache, layers, return_hidden)
+        if return_hidden:
             hidden = jnp.concatenate([x0[None], hidden], axis=0)  # [L+1, B, T, D]
         x = self.final_norm(x)
         head = self.embed[...].T if c.tie_embeddings else self.lm_head[...]
         logits = project(x, head.astype(dt), preferred_element_type=jnp.float32)  # [B, T, V]
-        new_cache = None
         if cache is not None:
-            new_cache = cache.with_buffers(new_kv, new_lengths)
-        if return_hidden:
-            return logits, new_cache, weights, hidden
-        return logits, new_cache, weights
+            cache = cache.commit(ctx.plan)
+        return ModelOutput(logits=logits, cache=cache, weights=weights, hidden=hidden)
+
+    def _self_attention_context(self, positions, segment_ids, valid):
+        """(positions, context) for a call without a cache: the keys are the call's own tokens."""
+        c = self.config
+        B, T = valid.shape
+        causal = c.attention_mask == "causal"
+        if positions is None:
+            positions = (
+                jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+                if segment_ids is None
+                else segment_positions(jnp.asarray(segment_ids))
+            )
+            # Positions made here increase within each segment: no key after a query's index is visible to it.
+            index_causal = causal
+        else:
+            index_causal = (
+                causal and _is_concrete(positions, segment_ids) and increasing_within_segments(positions, segment_ids)
+            )
+        positions = jnp.asarray(positions, jnp.int32)
+        seg = None if segment_ids is None else jnp.asarray(segment_ids)
+        windows = sorted(set(c.layer_windows))
+        masks = []
+        for w in windows:
+            visible_causal = make_mask(positions, positions, valid, seg, seg, causal=True, window=w or None)
+            if causal:
+                masks.append(AttentionMask(visible_causal, index_causal=index_causal))
+            else:  # the research variants: no mask before the softmax, and maybe causal zeroing after it
+                visible = make_mask(positions, positions, valid, seg, seg, causal=False)
+                zero_after = visible_causal if c.attention_mask == "causal_after_softmax" else None
+                masks.append(AttentionMask(visible, zero_after))
+        mask_of_layer = tuple(windows.index(w) for w in c.layer_windows)
+        return positions, AttentionContext(None, None, tuple(masks), mask_of_layer)
 
     def split_layers(self) -> list:
         """The stacked blocks' state as a list of L per-layer states, for `forward(..., layers=...)`.
 
         A loop that runs the model many times over the same weights (the decode loop of `generate`) slices them
         once, outside the loop, and passes them in: the blocks then run unrolled on these slices. Run from the
-        stacked arrays, every step of the loop would first copy each layer's weights out of them (a third of a
-        batch-1 decode step at the benchmark shape).
+        stacked arrays, every step of the loop would first copy each layer's weights out of them.
         """
         _, state = nnx.split(self.blocks)
         return [jax.tree.map(lambda a, i=i: a[i], state) for i in range(self.config.num_layers)]
 
-    def _run_blocks(self, x, ctx, kv, layers=None):
+    def _run_blocks(self, x, ctx: AttentionContext, cache, layers, return_hidden):
+        """(x, cache, weights [L, ...] or None, block outputs [L, B, T, D] or None)."""
         c = self.config
         graphdef, state = nnx.split(self.blocks)
-        windows = jnp.asarray(c.layer_windows, jnp.int32)  # [L]
 
-        def body(carry, layer_state):
-            x, kv, i = carry
-            # The whole cache buffers (k, v) or MLA's (latent, rope_key), [L, B, S, ...], and this layer's index:
-            # the layer writes its new entries into them in place and reads its own slice.
-            layer_cache = None if kv is None else (kv, i)
-            layer_ctx = ctx
-            if ctx["masks"] is not None:  # layers differ in their sliding window
-                visible, zero_after = ctx["masks"](windows[i])
-                layer_ctx = dict(ctx, visible=visible, zero_after=zero_after)
-            x, new_kv, w = nnx.merge(graphdef, layer_state)(x, layer_ctx, layer_cache)
-            if kv is not None:
-                kv = new_kv
-            return (x, kv, i + 1), ((w, x) if ctx.get("return_hidden") else w)
+        def body(x, cache, layer_state, i):
+            x, cache, w = nnx.merge(graphdef, layer_state)(x, ctx, cache, i)
+            return x, cache, (w, x if return_hidden else None)
 
         if c.remat:  # keep only each block's input for the backward pass; recompute the rest (least memory)
-            body = jax.checkpoint(body, prevent_cse=not c.scan_layers)
+            policy = None
         else:
             # Keep the matmul outputs for the backward pass and recompute the elementwise ops from them (norms,
-            # RoPE, masked softmax, SwiGLU): cheaper than storing their results per layer and reading them back
-            # (4% of a training step at the benchmark shape on a CPU), and less memory. No effect without a grad.
-            body = jax.checkpoint(body, prevent_cse=not c.scan_layers, policy=jax.checkpoint_policies.dots_saveable)
-        carry = (x, kv, jnp.int32(0))
-        if c.scan_layers and layers is None:
-            carry, weights = jax.lax.scan(body, carry, state)
-        else:
-            ws = []
-            for i in range(c.num_layers):
-                carry, w = body(carry, jax.tree.map(lambda a, i=i: a[i], state) if layers is None else layers[i])
-                ws.append(w)
-            weights = None if ws[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *ws)
-        x, kv, _ = carry
-        return x, kv, weights
+            # RoPE, masked softmax, SwiGLU): cheaper than storing their results per layer and reading them back,
+            # and less memory. No effect without a gradient.
+            policy = jax.checkpoint_policies.dots_saveable
+        checkpointed = jax.checkpoint(body, prevent_cse=not c.scan_layers, policy=policy, static_argnums=(3,))
+        one_layout = cache is None or len(cache.groups) == 1
+        if c.scan_layers and layers is None and one_layout:
+
+            def scan_body(carry, xs):
+                layer_state, i = xs
+                x, cache, out = jax.checkpoint(body, prevent_cse=False, policy=policy)(*carry, layer_state, i)
+                return (x, cache), out
+
+            (x, cache), (weights, hidden) = jax.lax.scan(
+                scan_body, (x, cache), (state, jnp.arange(c.num_layers, dtype=jnp.int32))
+            )
+            return x, cache, weights, hidden
+        outs = []
+        for i in range(c.num_layers):
+            layer_state = jax.tree.map(lambda a, i=i: a[i], state) if layers is None else layers[i]
+            x, cache, out = checkpointed(x, cache, layer_state, i)
+            outs.append(out)
+        weights, hidden = (None if outs[0][k] is None else jnp.stack([o[k] for o in outs]) for k in (0, 1))
+        return x, cache, weights, hidden
 
     # ---- sizes ----------------------------------------------------------------------------------------------
     def num_params(self) -> int:

@@ -13,8 +13,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import jax
 import numpy as np
 
+from causal_lm.decode import generate
 from causal_lm.train.state import split_params
 from causal_lm.train.step import eval_sums
 
@@ -24,7 +26,6 @@ def evaluate_split(
 ) -> dict:
     """`evaluate` over an already split model (what the training loop holds). place: lays each numpy batch out
     on the devices (a sharded model's mesh) before the jitted step; the host-side counts use the numpy batch."""
-    import jax
 
     if not batches:
         raise ValueError("evaluate() needs at least one batch")
@@ -59,7 +60,6 @@ def sample_text(
     use_cache: bool = True,
 ) -> str:
     """A short continuation of `prompt`, generated on the device through the KV-cache path."""
-    from causal_lm.decode import generate
 
     ids = tokenizer.encode(prompt) or [tokenizer.bos_id]
     room = model.config.max_seq_len - len(ids)

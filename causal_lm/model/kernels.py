@@ -1,0 +1,252 @@
+"""Attention kernels: one reference definition and the faster paths, each tested equal to it.
+
+Every kernel computes the same function of (q, k, v, mask):
+
+    out[b, t, n] = sum_s softmax_s(q[b, t, n] . k[b, s, kv(n)] * scale  over visible keys (+ sink)) * v[b, s, kv(n)]
+
+with float32 scores and softmax, a finite large negative for masked scores (a row that sees no key gets zeros, never
+NaN), K/V at the KV-head count (query head n reads KV head n // G: GQA/MQA without repeating K/V), and optional
+per-head sink logits that join the softmax denominator only.
+
+Shape letters (used in every `# [...]` comment of the package):
+    B batch, T query length, S key length, N query heads, K kv heads, G query heads per kv head (N = K*G),
+    H head dim (Hv: value head dim where it differs), D model dim, F mlp dim, V vocab, L layers.
+
+    reference_attention   plain einsums over the dense mask: the definition every other kernel is tested against.
+    heads_major_attention the same maths with Q, K, V transposed once to [B, K, ..., H] so each matmul batches over
+                          (B, K) with contiguous rows: XLA:CPU's fast batched-matmul form for many queries.
+    blocked_causal_attention  heads-major, in query blocks that score only the keys up to the block's end. Applies
+                          only when the mask says no key after a query's own index is visible (`index_causal`,
+                          derived from the positions, see mask.py): about half the work of the T x T square.
+    in_place_attention    a few queries over a long cache (decode): reads K/V in their cache layout [B, S, K, H]
+                          instead of transposing the whole layer first.
+    xla_dot_product_attention  `jax.nn.dot_product_attention`, XLA's own choice of implementation.
+
+`attention()` picks one from static facts (shapes, mask structure, config); `attention_impl` names the family.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from causal_lm.model.mask import AttentionMask
+
+# Finite large negative for masked float32 scores: -inf would turn a row with no visible key into NaN.
+MASK_VALUE = -1e30
+
+# Up to this many queries (a decode step, a short chunk), attention reads K and V in their cache layout.
+FEW_QUERIES = 8
+
+
+def default_scale(head_dim: int) -> float:
+    return float(head_dim) ** -0.5
+
+
+# ---- shared pieces: scores, softmax, values ---------------------------------------------------------------------
+
+
+def grouped_scores(q, k, scale):
+    """Scores of q [B, T, N, H] against k [B, S, K, H] in float32, before any mask: [B, K, G, T, S]."""
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    qg = q.reshape(B, T, K, N // K, H)
+    return jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * jnp.float32(scale)
+
+
+def masked_softmax(scores, visible, *, sink=None, zero_after=None):
+    """Float32 softmax of scaled scores [B, K, G, T, S] over the visible keys (visible: [B, T, S]).
+
+    sink: optional [K*G] logits that join the denominator only. zero_after: optional [B, T, S] multiplied in after
+    the softmax (the "zero after softmax" research variant). Every kernel goes through this one function, so the
+    mask value, the sink and the empty-row rule live in one place.
+    """
+    scores = scores.astype(jnp.float32)
+    _, K, G, _, _ = scores.shape
+    vis = visible[:, None, None, :, :]  # [B, 1, 1, T, S]
+    # The mask as an additive bias (0 or MASK_VALUE) rather than a select: s + MASK_VALUE rounds to MASK_VALUE for
+    # any score below ~1e22, so the values are the same, and the derivative of an add is the identity where a
+    # select's derivative is a second select over the whole [B, K, G, T, S] gradient.
+    scores = scores + jnp.where(vis, jnp.float32(0), jnp.float32(MASK_VALUE))
+    if sink is None:
+        # jax.nn.softmax keeps only the weights for its backward pass (a custom derivative); differentiating the
+        # formula op by op would store and re-read several more [B, K, G, T, S] arrays. A masked key gets
+        # exp(MASK_VALUE - max) == 0 exactly when its row has a visible key; a row with none would come out
+        # uniform, so it is zeroed.
+        weights = jax.nn.softmax(scores, axis=-1) * jnp.any(vis, axis=-1, keepdims=True)
+    else:
+        row_max = jnp.max(scores, axis=-1, keepdims=True)  # [B, K, G, T, 1]
+        sink = sink.astype(jnp.float32).reshape(1, K, G, 1, 1)
+        row_max = jnp.maximum(row_max, sink)
+        e = jnp.exp(scores - row_max) * vis  # exactly 0 where not visible
+        denom = jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - row_max)
+        weights = e / jnp.maximum(denom, jnp.finfo(jnp.float32).tiny)
+    if zero_after is not None:
+        weights = weights * zero_after[:, None, None, :, :]
+    return weights
+
+
+def grouped_values(weights, v):
+    """weights [B, K, G, T, S] . v [B, S, K, Hv] -> [B, T, N, Hv] (in v's dtype)."""
+    B, K, G, T, _ = weights.shape
+    out = jnp.einsum("bkgts,bskh->btkgh", weights.astype(v.dtype), v)
+    return out.reshape(B, T, K * G, v.shape[-1])
+
+
+# ---- the reference ------------------------------------------------------------------------------------------
+
+
+def reference_attention(q, k, v, mask: AttentionMask, *, scale, sink=None):
+    """The definition: einsums over the dense mask. q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv].
+
+    Returns (out [B, T, N, Hv], weights [B, N, T, S] float32)."""
+    B, T, N, _ = q.shape
+    weights = masked_softmax(grouped_scores(q, k, scale), mask.visible, sink=sink, zero_after=mask.zero_after)
+    return grouped_values(weights, v), weights.reshape(B, N, T, k.shape[1])
+
+
+# ---- heads-major: many queries ------------------------------------------------------------------------------
+
+
+def _heads_major(q, k, v):
+    """q [B, T, N, H] -> [B, K, G, T, H]; k, v [B, S, K, H] -> [B, K, S, H]."""
+    B, T, N, H = q.shape
+    K = k.shape[2]
+    return q.reshape(B, T, K, N // K, H).transpose(0, 2, 3, 1, 4), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+
+
+def _hm_scores(qh, kh, scale):
+    """qh [B, K, G, T, H] . kh [B, K, S, H] -> float32 [B, K, G, T, S]."""
+    if qh.shape[2] == 1:  # one query head per KV head (MHA): a plain batched matmul; a size-1 g axis costs a transpose
+        s = jnp.einsum("bkth,bksh->bkts", qh[:, :, 0], kh, preferred_element_type=jnp.float32)[:, :, None]
+    else:
+        s = jnp.einsum("bkgth,bksh->bkgts", qh, kh, preferred_element_type=jnp.float32)
+    return s * jnp.float32(scale)
+
+
+def _hm_values(weights, vh):
+    """weights [B, K, G, T, S] . vh [B, K, S, Hv] -> [B, K, G, T, Hv]."""
+    weights = weights.astype(vh.dtype)
+    if weights.shape[2] == 1:
+        return jnp.einsum("bkts,bksh->bkth", weights[:, :, 0], vh)[:, :, None]
+    return jnp.einsum("bkgts,bksh->bkgth", weights, vh)
+
+
+def _from_heads_major(out):
+    """[B, K, G, T, Hv] -> [B, T, N, Hv]."""
+    B, K, G, T, Hv = out.shape
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, K * G, Hv)
+
+
+def heads_major_attention(q, k, v, mask: AttentionMask, *, scale, sink=None):
+    """Reference maths with Q, K and V transposed once to heads-major order, so the score and value matmuls batch
+    over (B, K) with rows T (or S) and columns H contiguous: XLA:CPU runs that form as plain batched matmuls where
+    the reference's einsums would transpose inside each one. For many queries (training, prefill)."""
+    qh, kh, vh = _heads_major(q, k, v)
+    weights = masked_softmax(_hm_scores(qh, kh, scale), mask.visible, sink=sink, zero_after=mask.zero_after)
+    return _from_heads_major(_hm_values(weights, vh))
+
+
+def causal_query_block(T: int) -> int:
+    """Query block size for `blocked_causal_attention` over T tokens (0: not worth blocking).
+
+    At most 8 blocks of at least 64 queries: block i then scores (i + 1) / 8 of the keys, 56% of the full square in
+    all, while each block's matmuls stay large enough to run near the CPU's matmul rate.
+    """
+    if T <= 64:
+        return 0
+    return max(64, -(-T // 8))
+
+
+def blocked_causal_attention(q, k, v, mask: AttentionMask, *, scale, sink=None, block: int):
+    """Heads-major attention in query blocks of `block`, each scoring only the keys up to its own end.
+
+    Applies when `mask.index_causal`: the keys are the queries' own tokens (S == T) and no key after a query's
+    index is visible to it (what the positions guarantee when they increase within each segment; mask.py derives
+    it). The skipped keys would get weight exactly 0, so the result equals the reference; the work is about half
+    the T x T square. The mask is still applied inside each block."""
+    if not mask.index_causal or k.shape[1] != q.shape[1]:
+        raise ValueError("blocked_causal_attention needs a mask whose keys are the queries' own, index-causal tokens")
+    T = q.shape[1]
+    qh, kh, vh = _heads_major(q, k, v)
+    outs = []
+    for i in range(0, T, block):
+        e = min(i + block, T)  # queries [i, e) see no key at index >= e
+        za = None if mask.zero_after is None else mask.zero_after[:, i:e, :e]
+        w = masked_softmax(
+            _hm_scores(qh[:, :, :, i:e], kh[:, :, :e], scale), mask.visible[:, i:e, :e], sink=sink, zero_after=za
+        )
+        outs.append(_hm_values(w, vh[:, :, :e]))
+    return _from_heads_major(jnp.concatenate(outs, axis=3))
+
+
+# ---- in place: few queries over a cache ---------------------------------------------------------------------
+
+
+def in_place_attention(q, k, v, mask: AttentionMask, *, scale, sink=None):
+    """A few queries (a decode step) over keys in their cache layout [B, S, K, H], read once and in place.
+
+    A batched matmul needs its batch axes (b, k) leading, so the heads-major form would first copy the whole layer
+    of keys into that order; in a decode step that copy (and V's) costs as much as all the weight reads. Here the
+    T*N queries meet all S*K key vectors in one matmul over the row's contiguous [S*K, H] block and the pairs of a
+    query head with its own KV head are picked out after: K times the score FLOPs, nothing for a few queries."""
+    B, T, N, H = q.shape
+    S, K, Hv = k.shape[1], k.shape[2], v.shape[-1]
+    G = N // K
+    pairs = jnp.einsum(
+        "bqh,bjh->bqj", q.reshape(B, T * N, H), k.reshape(B, S * K, H), preferred_element_type=jnp.float32
+    ).reshape(B, T, K, G, S, K)
+    scores = jnp.diagonal(pairs, axis1=2, axis2=5).transpose(0, 4, 2, 1, 3) * jnp.float32(scale)  # [B, K, G, T, S]
+    weights = masked_softmax(scores, mask.visible, sink=sink, zero_after=mask.zero_after)
+    w = weights.astype(v.dtype).transpose(0, 3, 1, 2, 4).reshape(B, T * K * G, S)
+    vpairs = jnp.einsum("bqs,bsj->bqj", w, v.reshape(B, S, K * Hv)).reshape(B, T, K, G, K, Hv)
+    out = jnp.diagonal(vpairs, axis1=2, axis2=4)  # [B, T, G, Hv, K]
+    return out.transpose(0, 1, 4, 2, 3).reshape(B, T, N, Hv)
+
+
+# ---- XLA's fused attention ----------------------------------------------------------------------------------
+
+
+def xla_dot_product_attention(q, k, v, mask: AttentionMask, *, scale, sink=None):
+    """`jax.nn.dot_product_attention` with the dense mask (XLA picks the implementation for the platform).
+    No sink logits and no zero-after-softmax (the config refuses those combinations)."""
+    if sink is not None or mask.zero_after is not None:
+        raise ValueError("jax.nn.dot_product_attention has no sink logit and no zero-after-softmax variant")
+    out = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask.visible[:, None], scale=scale)
+    # A row with no visible key: defined as zeros (the library returns an average of V there).
+    return out * jnp.any(mask.visible, axis=-1)[:, :, None, None].astype(out.dtype)
+
+
+# ---- the dispatcher -----------------------------------------------------------------------------------------
+
+
+def attention(q, k, v, mask: AttentionMask, *, impl: str = "xla", scale=None, sink=None, return_weights=False):
+    """Attention output [B, T, N, Hv] and, with return_weights, the weights [B, N, T, S] (else None).
+
+    The kernel is chosen from static facts only: the config's implementation family, the number of queries, the
+    KV head count and the mask's structure. Every choice computes the reference's result (tests/test_kernels.py).
+    """
+    scale = default_scale(q.shape[-1]) if scale is None else scale
+    if return_weights:
+        return reference_attention(q, k, v, mask, scale=scale, sink=sink)
+    return select_kernel(q, k, mask, impl)(q, k, v, mask, scale=scale, sink=sink), None
+
+
+def select_kernel(q, k, mask: AttentionMask, impl: str = "xla"):
+    """The kernel `attention` uses for these shapes and this mask (a function of static facts)."""
+    T, S, K = q.shape[1], k.shape[1], k.shape[2]
+    if impl == "dot_product_attention":
+        return xla_dot_product_attention
+    if T <= FEW_QUERIES and K > 1:  # with one KV head (MQA) the heads-major transpose of K/V is free
+        return in_place_attention
+    block = causal_query_block(T)
+    if mask.index_causal and S == T and 0 < block < T:
+        return lambda *a, **kw: blocked_causal_attention(*a, **kw, block=block)
+    return heads_major_attention
+
+
+def attention_weights(q, k, visible, *, sink=None, zero_after=None, scale=None):
+    """Softmax attention weights [B, K, G, T, S] float32 of q [B, T, N, H] over k [B, S, K, H] under `visible`
+    [B, T, S] (the reference's weights, before they meet V; for probes and tests)."""
+    scale = default_scale(q.shape[-1]) if scale is None else scale
+    return masked_softmax(grouped_scores(q, k, scale), visible, sink=sink, zero_after=zero_after)

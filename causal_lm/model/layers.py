@@ -1,0 +1,64 @@
+"""Small building blocks shared by the attention variants and the decoder: projections, RMSNorm, the MLP, init."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from causal_lm.config import ModelConfig
+
+
+def project(x, w, n_in: int = 1, preferred_element_type=None):
+    """Contract the last `n_in` dims of x [..., *in] with the first `n_in` of w [*in, *out] -> [..., *out].
+
+    Computed as one 2-D matmul over flattened rows, [rows, prod(in)] @ [prod(in), prod(out)]. The same einsum on
+    3-D/4-D operands differentiates into dot_generals whose weight gradient XLA:CPU feeds through a strided
+    transpose of the output gradient; on flattened rows both the forward and the backward are plain matmuls.
+    """
+    in_shape, out_shape = w.shape[:n_in], w.shape[n_in:]
+    lead = x.shape[: x.ndim - n_in]
+    y = jnp.matmul(
+        x.reshape(-1, int(np.prod(in_shape))),
+        w.reshape(int(np.prod(in_shape)), -1),
+        preferred_element_type=preferred_element_type,
+    )
+    return y.reshape(lead + out_shape)
+
+
+def normal_param(rngs: nnx.Rngs, shape, std, dtype) -> nnx.Param:
+    """A parameter drawn from N(0, std^2) in float32, then cast to `dtype`."""
+    return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype) * jnp.asarray(std, dtype))
+
+
+def rms_norm(x, scale, eps):
+    """x / rms(x) * scale over the last axis, computed in float32 and returned in x's dtype."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, param_dtype):
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+
+    def __call__(self, x):
+        return rms_norm(x, self.scale[...], self.eps)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(x W_gate) * (x W_up))."""
+
+    def __init__(self, c: ModelConfig, rngs: nnx.Rngs):
+        pd = jnp.dtype(c.param_dtype)
+        self.dtype = jnp.dtype(c.dtype)
+        self.w_gate = normal_param(rngs, (c.d_model, c.mlp_dim), c.init_std, pd)
+        self.w_up = normal_param(rngs, (c.d_model, c.mlp_dim), c.init_std, pd)
+        self.w_down = normal_param(rngs, (c.mlp_dim, c.d_model), c.init_std / (2 * c.num_layers) ** 0.5, pd)
+
+    def __call__(self, x):
+        dt = self.dtype
+        h = jax.nn.silu(project(x, self.w_gate[...].astype(dt))) * project(x, self.w_up[...].astype(dt))  # [B, T, F]
+        return project(h, self.w_down[...].astype(dt))

@@ -1,0 +1,164 @@
+"""Every attention kernel equals the reference kernel, over the mask shapes the model produces.
+
+The reference (plain einsums over the dense mask) is the definition; each faster path is tested against it over
+the grid: MHA / GQA / MQA, sink logits or not, and masks from training (causal, index order), sliding windows,
+packed documents (segments, positions restarting), a chunk at an offset over a cache, a ring-buffer cache (slots
+out of position order), padding, and the zero-after-softmax research variant.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from causal_lm.model import kernels
+from causal_lm.model.mask import AttentionMask, make_mask, segment_positions
+
+N, H = 4, 8
+ATOL = 1e-5
+
+
+def _qkv(T, S, K, seed=0, Hv=H):
+    r = np.random.default_rng(seed)
+    q = jnp.asarray(r.standard_normal((2, T, N, H)), jnp.float32)
+    k = jnp.asarray(r.standard_normal((2, S, K, H)), jnp.float32)
+    v = jnp.asarray(r.standard_normal((2, S, K, Hv)), jnp.float32)
+    return q, k, v
+
+
+def _self_mask(T, window=None, segments=False):
+    """Training's mask: keys are the queries' own tokens, positions from their index (or restarting per segment)."""
+    if segments:
+        seg = np.ones((2, T), np.int32)
+        seg[0, T // 3 :] = 2
+        seg[1, T // 2 :] = 3
+        seg[1, -3:] = 0  # padding at the end of row 1
+        seg = jnp.asarray(seg)
+        pos = segment_positions(seg)
+        valid = seg != 0
+    else:
+        seg = None
+        pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (2, T))
+        valid = jnp.ones((2, T), bool)
+    return AttentionMask(make_mask(pos, pos, valid, seg, seg, window=window), index_causal=True)
+
+
+def _chunk_mask(T, S, offsets=(5, 11)):
+    """A chunk of T queries at each row's own offset over a cache of S slots (slot == position)."""
+    qpos = jnp.asarray([[o + t for t in range(T)] for o in offsets], jnp.int32)
+    kpos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (2, S))
+    valid = kpos < (jnp.asarray(offsets)[:, None] + T)
+    return AttentionMask(make_mask(qpos, kpos, valid))
+
+
+def _ring_mask(T, window=4):
+    """A ring of 6 slots holding positions out of order, one row empty in two slots."""
+    kpos = jnp.asarray([[12, 13, 8, 9, 10, 11], [6, 7, -1, -1, 4, 5]], jnp.int32)
+    qpos = jnp.asarray([[13 - T + 1 + t for t in range(T)], [7 - T + 1 + t for t in range(T)]], jnp.int32)
+    return AttentionMask(make_mask(qpos, kpos, kpos >= 0, window=window))
+
+
+def _zero_after_mask(T):
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (2, T))
+    valid = jnp.ones((2, T), bool)
+    everything = make_mask(pos, pos, valid, causal=False)
+    return AttentionMask(everything, zero_after=make_mask(pos, pos, valid).astype(jnp.float32))
+
+
+CASES = {
+    # name: (T, S, mask builder)
+    "causal-72": (72, 72, lambda: _self_mask(72)),  # > 64 queries: blocks of 64 and 8
+    "window-5": (24, 24, lambda: _self_mask(24, window=5)),
+    "packed": (30, 30, lambda: _self_mask(30, segments=True)),
+    "chunk-3-at-offset": (3, 20, lambda: _chunk_mask(3, 20)),
+    "decode-1": (1, 20, lambda: _chunk_mask(1, 20)),
+    "ring-2": (2, 6, lambda: _ring_mask(2)),
+    "zero-after-softmax": (12, 12, lambda: _zero_after_mask(12)),
+}
+
+FAST = {
+    "heads_major": kernels.heads_major_attention,
+    "in_place": kernels.in_place_attention,
+    "blocked": lambda *a, **kw: kernels.blocked_causal_attention(*a, **kw, block=64),
+    "blocked-small": lambda *a, **kw: kernels.blocked_causal_attention(*a, **kw, block=4),
+    "dot_product_attention": kernels.xla_dot_product_attention,
+}
+
+
+def _applies(name, mask, sink, T, S):
+    if name.startswith("blocked"):
+        return mask.index_causal and T == S
+    if name == "dot_product_attention":
+        return sink is None and mask.zero_after is None
+    return True
+
+
+def _run(name, fn, q, k, v, mask, sink, scale):
+    # Eager: each primitive compiles once per shape and is reused across cases; jitting every kernel for every
+    # case would compile ~200 whole programs.
+    return fn(q, k, v, mask, scale=scale, sink=sink)
+
+
+@pytest.mark.parametrize("kv", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("case", CASES)
+def test_every_kernel_equals_the_reference(kv, case):
+    T, S, build = CASES[case]
+    with_sink = (list(CASES).index(case) + kv) % 2 == 1  # half the grid with sink logits, each case and head count
+    # covered both ways across the grid (a full product doubles the compiles for little)
+    mask = build()
+    q, k, v = _qkv(T, S, kv)
+    sink = jnp.asarray([-1.0, 0.5, 2.0, 0.0], jnp.float32) if with_sink else None
+    scale = kernels.default_scale(H)
+    ref, weights = kernels.reference_attention(q, k, v, mask, scale=scale, sink=sink)
+    assert np.isfinite(np.asarray(ref)).all()
+    checked = 0
+    for name, fn in FAST.items():
+        if not _applies(name, mask, sink, T, S):
+            continue
+        out = _run(name, fn, q, k, v, mask, sink, scale)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=ATOL, rtol=0, err_msg=name)
+        checked += 1
+    assert checked >= 2
+    # and the dispatcher's choice for these shapes is one of them (same result)
+    out, _ = kernels.attention(q, k, v, mask, scale=scale, sink=sink)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=ATOL, rtol=0)
+
+
+def test_the_reference_is_the_formula():
+    """The reference against a loop written out in numpy: softmax over visible keys (plus the sink), GQA heads."""
+    T, S, K = 3, 20, 2
+    mask = _chunk_mask(T, S)
+    q, k, v = _qkv(T, S, K, seed=3, Hv=5)
+    sink = np.asarray([0.3, -0.2, 1.0, 0.0], np.float32)
+    out, w = kernels.reference_attention(q, k, v, mask, scale=0.5, sink=jnp.asarray(sink))
+    q, k, v, vis = (np.asarray(a, np.float64) for a in (q, k, v, mask.visible))
+    G = N // K
+    for b in range(2):
+        for n in range(N):
+            for t in range(T):
+                s = (k[b, :, n // G] @ q[b, t, n]) * 0.5
+                e = np.where(vis[b, t] > 0, np.exp(s - s.max()), 0.0)
+                p = e / (e.sum() + np.exp(sink[n] - s.max()))
+                np.testing.assert_allclose(np.asarray(w)[b, n, t], p, atol=1e-6)
+                np.testing.assert_allclose(np.asarray(out)[b, t, n], p @ v[b, :, n // G], atol=1e-5)
+
+
+def test_value_dim_may_differ_from_the_key_dim():
+    """MLA's values have their own head dim: every kernel handles Hv != H."""
+    q, k, v = _qkv(66, 66, 2, Hv=5)
+    mask = _self_mask(66)
+    ref, _ = kernels.reference_attention(q, k, v, mask, scale=0.3)
+    for name in ("heads_major", "in_place", "blocked"):
+        out = FAST[name](q, k, v, mask, scale=0.3)
+        assert out.shape == (2, 66, N, 5)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=ATOL, rtol=0, err_msg=name)
+
+
+def test_the_blocked_kernel_refuses_a_mask_that_does_not_promise_causality():
+    """Skipping keys is derived from the mask (index_causal), never assumed: a mask without it is refused."""
+    q, k, v = _qkv(66, 66, 2)
+    mask = _self_mask(66)
+    loose = AttentionMask(mask.visible)  # same values, no promise
+    with pytest.raises(ValueError, match="index-causal"):
+        kernels.blocked_causal_attention(q, k, v, loose, scale=0.3, block=16)
+    assert kernels.select_kernel(q, k, loose) is kernels.heads_major_attention
+    assert kernels.select_kernel(q, k, mask) is not kernels.heads_major_attention  # the blocked one
