@@ -17,7 +17,7 @@ CEILINGS = {"matmul_flops": 1e10, "mem_bw_bytes_per_s": 1e10, "matmul_n": 0}  # 
 
 @pytest.fixture(autouse=True)
 def no_pauses(monkeypatch):
-    monkeypatch.setattr(bench, "SETTLE_SECONDS", 0.0)
+    monkeypatch.setattr(bench.common, "SETTLE_SECONDS", 0.0)
 
 
 def _positive(x):

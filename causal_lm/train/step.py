@@ -89,8 +89,9 @@ def compiled_train_step(model_config: ModelConfig, train_config: TrainConfig, gr
     return lambda state, rest, batch: jitted(state, rest, batch, hp)
 
 
-@functools.lru_cache(maxsize=16)
-def _compiled_train_step(model_config: ModelConfig, microbatches: int, clip: bool, graphdef, mesh=None):
+def build_train_step(model_config: ModelConfig, microbatches: int, clip: bool, graphdef, mesh=None):
+    """A new jitted `step(state, rest, batch, hp)` (never cached: `compiled_train_step` reuses one per model, and
+    benchmarks that time a compile build their own). hp: `hyperparams(train_config)`."""
     structure = optimizer_structure(TrainConfig(grad_clip=1.0 if clip else 0.0))
 
     def step(state: TrainState, rest, batch, hp):
@@ -118,6 +119,9 @@ def _compiled_train_step(model_config: ModelConfig, microbatches: int, clip: boo
     # step to step; XLA's partitioner derives the collectives (gradient reduce-scatter, weight all-gathers).
     state_sh, _ = train_state_shardings(model_config, structure, mesh)
     return jax.jit(step, donate_argnums=0, out_shardings=(state_sh, parallel.replicated(mesh)))
+
+
+_compiled_train_step = functools.lru_cache(maxsize=16)(build_train_step)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
