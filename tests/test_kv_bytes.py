@@ -4,6 +4,8 @@ import glob
 import json
 import os
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -11,6 +13,7 @@ from causal_lm import cli
 from causal_lm.commands.kv_bytes import human_bytes, kv_bytes
 from causal_lm.config import ConfigError, ModelConfig, load_config
 from causal_lm.model import init_cache
+from causal_lm.model.kv_cache import cache_bytes
 
 KiB, GiB = 1024, 1024**3
 CONTEXT = 262_144
@@ -32,8 +35,9 @@ def kv_json(capsys, *argv):
 )
 def test_anchor_figures(capsys, preset, per_token, total):
     r = kv_json(capsys, "--preset", preset, "--context", str(CONTEXT), "--bytes-per-element", "2")
-    assert r["bytes_per_token"] == per_token
-    assert r["total_bytes"] == total == r["allocated_bytes"]
+    assert r["bytes_per_token"] == per_token and r["kv_bytes"] == total
+    # what init_cache allocates besides K/V: each slot's position and the row's length (int32)
+    assert r["total_bytes"] == r["allocated_bytes"] == total + 4 * CONTEXT + 4
 
 
 def test_deepseek_67b_gqa_and_as_mha(capsys):
@@ -42,7 +46,7 @@ def test_deepseek_67b_gqa_and_as_mha(capsys):
     mha = kv_json(capsys, "--preset", "deepseek_67b", "num_kv_heads=64", "--context", "1")
     assert (mha["attention"], mha["bytes_per_token"]) == ("MHA", 3_112_960)
     # The lesson's 1M-token request: 380 GiB for one sequence.
-    assert kv_json(capsys, "--preset", "deepseek_67b", "--context", str(2**20))["total_bytes"] == 380 * GiB
+    assert kv_json(capsys, "--preset", "deepseek_67b", "--context", str(2**20))["kv_bytes"] == 380 * GiB
 
 
 def test_deepseek_v2_v3_mla(capsys):
@@ -73,7 +77,7 @@ def test_element_size_and_config_file(capsys, repo_root):
         "--bytes-per-element",
         "4",
     )
-    assert r["bytes_per_token"] == 128 * KiB and r["total_bytes"] == 1280 * KiB
+    assert r["bytes_per_token"] == 128 * KiB and r["kv_bytes"] == 1280 * KiB
 
 
 def test_sliding_window_counts_local_layers_at_their_window(capsys):
@@ -88,10 +92,14 @@ def test_sliding_window_counts_local_layers_at_their_window(capsys):
         str(CONTEXT),
     )
     assert r["local_layers"] == 12
-    assert r["total_bytes"] == 4 * KiB * (12 * 4096 + 4 * CONTEXT)
-    assert r["allocated_bytes"] == 64 * KiB * CONTEXT  # this codebase keeps local layers full length
+    assert r["kv_bytes"] == 4 * KiB * (12 * 4096 + 4 * CONTEXT)  # local layers keep a ring of `window` slots
+    assert r["allocated_bytes"] == r["total_bytes"] == r["kv_bytes"] + 4 * (4096 + CONTEXT) + 4
     short = kv_json(capsys, "--preset", "anchor_16l_gqa4", "sliding_window=4096", "--context", "1000")
-    assert short["total_bytes"] == short["allocated_bytes"] == 64 * KiB * 1000  # shorter than the window
+    assert short["kv_bytes"] == 64 * KiB * 1000  # shorter than the window: every layer holds all 1000 tokens
+    ahead = kv_json(
+        capsys, "--preset", "anchor_16l_gqa4", "sliding_window=4096", "--context", str(CONTEXT), "--lookahead", "4"
+    )
+    assert ahead["kv_bytes"] == 64 * KiB * 4100  # all local: a ring of window + lookahead slots
 
 
 def test_every_preset_answers_without_building_a_model(capsys, repo_root, monkeypatch):
@@ -144,29 +152,49 @@ OWN_MODELS = {
     ),
     "mla-nope": _tiny(attention_type="mla", kv_lora_rank=12, position="none"),
     "sliding": _tiny(num_kv_heads=2, sliding_window=5, layer_pattern="local,global"),
+    "mqa-all-local": _tiny(num_kv_heads=1, sliding_window=7),
+    "mla-mixed": _tiny(attention_type="mla", kv_lora_rank=12, sliding_window=3, layer_pattern="local,local,global"),
     "small-preset": load_config("small").model,
 }
 
 
 @pytest.mark.parametrize("name", OWN_MODELS)
-@pytest.mark.parametrize("dtype,bpe", [("float32", 4), ("bfloat16", 2)])
-def test_init_cache_allocates_what_kv_bytes_predicts(name, dtype, bpe):
-    config, batch, context = OWN_MODELS[name], 3, 40
-    cache = init_cache(config, batch, context, dtype)
-    allocated = sum(buf.nbytes for buf in cache.buffers)  # K/V (or latent + rope key), without the lengths
-    predicted = kv_bytes(config, context, bpe)
-    assert allocated == batch * predicted["allocated_bytes"]
-    assert cache.bytes_per_token == predicted["bytes_per_token"] == config.kv_bytes_per_token(bpe)
-    assert cache.total_bytes == allocated + cache.lengths.nbytes
-    if not config.sliding_window:
-        assert predicted["total_bytes"] == predicted["allocated_bytes"]
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8", "float8_e4m3fn"])
+def test_init_cache_allocates_what_kv_bytes_predicts(capsys, name, dtype):
+    """cache.total_bytes (the arrays' own nbytes) == kv-bytes' total_bytes: windows (rings), mixed patterns, MLA,
+    and the scaled storage types, whose scales count."""
+    config, context = OWN_MODELS[name], 40
+    cache = init_cache(config, 1, context, dtype)
+    actual = sum(x.nbytes for x in jax.tree.leaves(cache))
+    predicted = kv_bytes(config, context, cache_dtype=dtype)
+    assert cache.total_bytes == actual == predicted["total_bytes"] == predicted["allocated_bytes"]
+    assert cache.bytes_per_token == predicted["bytes_per_token"]
+    if dtype in ("float32", "bfloat16"):  # no scales: the config's own per-token arithmetic agrees
+        assert cache.bytes_per_token == config.kv_bytes_per_token(jnp.dtype(dtype).itemsize)
+    # a batch of 3 and a lookahead: the same arithmetic, three times the rows and wider rings
+    big = init_cache(config, 3, context, dtype, lookahead=2)
+    assert big.total_bytes == cache_bytes(config, context, dtype=dtype, batch_size=3, lookahead=2)["total_bytes"]
+
+
+def test_kv_bytes_cli_cache_dtype_matches_init_cache(capsys):
+    config = load_config("small").model
+    for dtype in ("bfloat16", "int8"):
+        r = kv_json(capsys, "--preset", "small", "--context", "64", "--cache-dtype", dtype)
+        assert r["total_bytes"] == init_cache(config, 1, 64, dtype).total_bytes
+    f32 = kv_json(capsys, "--preset", "small", "--context", "64", "--cache-dtype", "float32")
+    i8 = kv_json(capsys, "--preset", "small", "--context", "64", "--cache-dtype", "int8")
+    # int8 stores a quarter of float32's K/V bytes plus one float32 scale per token and KV head
+    kv_per_token = 2 * config.num_kv_heads * config.head_dim
+    assert i8["bytes_per_token"] == config.num_layers * (kv_per_token + 2 * config.num_kv_heads * 4)
+    assert f32["bytes_per_token"] == config.num_layers * kv_per_token * 4
 
 
 def test_mla_cache_is_latent_plus_rope_key_only():
     config = OWN_MODELS["mla"]
     cache = init_cache(config, 2, 16)
-    assert type(cache).__name__ == "MLACache" and not hasattr(cache, "k")
-    assert cache.latent.shape == (3, 2, 16, 12) and cache.rope_key.shape == (3, 2, 16, 4)
+    (group,) = cache.groups
+    assert set(group.arrays) == {"latent", "rope_key"}  # no K, no V
+    assert group.arrays["latent"].shape == (3, 2, 16, 12) and group.arrays["rope_key"].shape == (3, 2, 16, 4)
     # Versus the same heads as MHA: 2 x 4 heads x 8 dims = 64 elements per layer and token, MLA 12 + 4 = 16.
     assert _tiny().kv_bytes_per_token(4) == 4 * config.kv_bytes_per_token(4)
 
