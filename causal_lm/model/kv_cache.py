@@ -88,7 +88,7 @@ class KVCache:
 
     groups: tuple  # of CacheGroup
     lengths: jax.Array  # [B] int32: tokens already cached in each row
-    max_len: int = dataclasses.field(metadata=dict(static=True))  # the most tokens a row may hold
+    max_len: int = dataclasses.field(metadata=dict(static=True))  # the most tokens a row may hold (global layers)
     names: tuple = dataclasses.field(metadata=dict(static=True))  # ("k", "v") or ("latent", "rope_key")
     storage: str = dataclasses.field(metadata=dict(static=True))  # one of CACHE_DTYPES
 
@@ -96,6 +96,12 @@ class KVCache:
     @property
     def batch_size(self) -> int:
         return self.lengths.shape[0]
+
+    @property
+    def bounded(self) -> bool:
+        """Whether rows are limited to max_len tokens: true when a global (full-length) layer is cached. A cache
+        of local layers only is a set of rings that wrap for as long as the model's positions go."""
+        return any(g.window == 0 for g in self.groups)
 
     @property
     def num_layers(self) -> int:
@@ -145,8 +151,9 @@ class KVCache:
                 keep = valid & (pos > last[:, None] - C)
                 slot = jnp.where(keep, pos % C, C + t[None, :])
                 # A call writing more than C - W + 1 tokens would overwrite keys its first queries still need (a
-                # ring of max_len slots never wraps: positions stay below max_len).
-                read_old.append(C < self.max_len and T > C - g.window + 1)
+                # ring of max_len slots in a bounded cache never wraps: positions stay below max_len).
+                wraps = C < self.max_len or not self.bounded
+                read_old.append(wraps and T > C - g.window + 1)
             else:
                 keep = valid
                 slot = jnp.where(keep, pos, C + t[None, :])
@@ -191,8 +198,21 @@ class KVCache:
 
     def rollback(self, lengths) -> KVCache:
         """Each row cut back to `lengths` [B] tokens (at most its current length): the slots holding positions at
-        or after the new length become empty, as if those tokens had never been written."""
+        or after the new length become empty, as if those tokens had never been written.
+
+        A ring (local layer) can undo at most `lookahead` tokens (its slots beyond the window): further back, the
+        undone tokens overwrote keys still inside the window. Checked on the host when the lengths are concrete."""
         lengths = jnp.minimum(jnp.asarray(lengths, jnp.int32), self.lengths)
+        if not isinstance(lengths, jax.core.Tracer) and not isinstance(self.lengths, jax.core.Tracer):
+            undone = int(np.max(np.asarray(self.lengths) - np.asarray(lengths), initial=0))
+            for g in self.groups:
+                room = g.capacity - g.window
+                if g.window and undone > room and (g.capacity < self.max_len or not self.bounded):
+                    raise CacheError(
+                        f"cannot roll back {undone} tokens: a local layer's ring (window {g.window}) holds "
+                        f"{g.capacity} slots, room to undo {room}; build the cache with init_cache(..., "
+                        f"lookahead={undone}) or more"
+                    )
         groups = tuple(
             dataclasses.replace(g, positions=jnp.where(g.positions >= lengths[:, None], -1, g.positions))
             for g in self.groups
@@ -290,10 +310,16 @@ def entry_shapes(config: ModelConfig) -> dict:
 
 
 def layer_groups(config: ModelConfig, max_len: int, lookahead: int = 0) -> list:
-    """[(window, capacity, layers)] for a cache of `max_len` tokens: one group per distinct window."""
+    """[(window, capacity, layers)] for a cache of `max_len` tokens: one group per distinct window.
+
+    A local layer's ring holds W + lookahead slots. When global layers bound a row at max_len, a ring never needs
+    more than max_len slots (then it never wraps); a model with local layers only has no such bound (its rows grow
+    as far as its positions go), so its rings keep W + lookahead slots whatever max_len says."""
+    windows = config.layer_windows
+    bounded = 0 in windows
     out = {}
-    for layer, w in enumerate(config.layer_windows):
-        cap = max_len if not w else min(max_len, w + lookahead)
+    for layer, w in enumerate(windows):
+        cap = max_len if not w else (min(max_len, w + lookahead) if bounded else w + lookahead)
         out.setdefault(w, (w, cap, []))[2].append(layer)
     return [(w, cap, tuple(layers)) for w, cap, layers in out.values()]
 
@@ -342,14 +368,17 @@ def init_cache(
 
 def check_capacity(cache: KVCache, num_new) -> None:
     """Raise before compute if a row would hold more than `cache.max_len` tokens after writing `num_new` (an int,
-    or per row [B]) more. A ring (local layer) never overflows; the full-length layout and positions are bounded."""
+    or per row [B]) more. Only global layers fill up: a ring (local layer) never overflows."""
+    if not cache.bounded:
+        return
     lengths = np.asarray(jax.device_get(cache.lengths))
     need = lengths + np.asarray(num_new)
     if need.size and need.max() > cache.max_len:
         row = int(need.argmax())
         raise CacheError(
             f"KV cache overflow: row {row} holds {int(lengths[row])} tokens and {int(need[row] - lengths[row])} more "
-            f"do not fit in max_len={cache.max_len} (JAX would clamp the write and silently overwrite the last slots)"
+            f"do not fit in max_len={cache.max_len} of its global layers (JAX would clamp the write and silently "
+            "overwrite the last slots)"
         )
 
 
