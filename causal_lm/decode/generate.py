@@ -30,9 +30,14 @@ from flax import nnx
 from jax.experimental import io_callback
 
 from causal_lm import parallel
+from causal_lm.decode.prefill import compile_count, count_trace, last_valid_logits, prefill, shard_cache
 from causal_lm.decode.sampling import sample
+from causal_lm.decode.speculative import speculative_jit
 from causal_lm.decode.streaming import STREAMS
 from causal_lm.model.kv_cache import CACHE_DTYPES, init_cache, require_causal
+from causal_lm.model.transformer import Decoder
+
+__all__ = ["GenerateError", "GenerateResult", "bucket_length", "compile_count", "generate"]
 
 
 class GenerateError(ValueError):
@@ -44,8 +49,12 @@ class GenerateResult:
     tokens: list  # per row: the generated ids, up to and including a stop token
     kv_computed: int  # K/V vectors computed for real tokens, per layer and KV head (all rows)
     kv_computed_per_row: list
-    steps: int  # decode steps the loop ran (<= max_new_tokens)
+    steps: int  # tokens emitted by the longest row (<= max_new_tokens)
     logits: np.ndarray | None = None  # [B, max_new_tokens, V] float32 when return_logits=True
+    target_passes: int = 0  # forward passes of the model after prefill (one per token; speculative: one per check)
+    draft_proposed: int = 0  # speculative decoding: draft tokens proposed, all rows together
+    draft_accepted: int = 0  # ... and accepted
+    draft_accepted_per_row: list = dataclasses.field(default_factory=list)
 
 
 @jax.tree_util.register_dataclass
@@ -79,28 +88,6 @@ def bucket_length(n: int, minimum: int = 8) -> int:
     return b
 
 
-def _last_valid_logits(logits, idx):
-    """logits [B, T, V], idx [B] -> [B, V] at idx (clipped)."""
-    i = jnp.clip(idx, 0, logits.shape[1] - 1)
-    return jnp.take_along_axis(logits, i[:, None, None], axis=1)[:, 0]
-
-
-def _shard_cache(cache, mesh):
-    """Keep the cache in the partition rules' layout through prefill and the decode loop (no-op on one device)."""
-    if mesh is None:
-        return cache
-    return jax.lax.with_sharding_constraint(cache, parallel.cache_shardings(cache, mesh))
-
-
-_traces = 0  # generation programs traced in this process; see compile_count()
-
-
-def compile_count() -> int:
-    """Number of generation programs compiled so far in this process (a new prompt bucket, batch size,
-    max_new_tokens or model shape compiles a new one; a new prompt length within a bucket does not)."""
-    return _traces
-
-
 @functools.partial(
     jax.jit,
     static_argnames=(
@@ -112,6 +99,7 @@ def compile_count() -> int:
         "return_logits",
         "cache_dtype",
         "stream",
+        "num_samples",
         "mesh",
     ),
 )
@@ -134,49 +122,43 @@ def _generate_jit(
     return_logits,
     cache_dtype,
     stream,
+    num_samples=1,
     mesh=None,
 ):
-    global _traces
-    _traces += 1  # runs once per trace, i.e. once per compiled program
+    count_trace()
     model = nnx.merge(graphdef, state)
     c = model.config
-    B = tokens.shape[0]
+    B = tokens.shape[0] * num_samples
     # Each layer's weights sliced out of the stacked arrays once, here: the decode loop's steps then read them
     # in place instead of copying every layer's weights out of the stack at every step.
     layers = model.split_layers()
     total = prompt_len + max_new
+    # the prompt: computed once per prompt on the cached path (counted on its first sample's row)
+    first_sample = (jnp.arange(B) % num_samples == 0) | (not use_cache)
 
     if use_cache:
-        cache = _shard_cache(init_cache(c, B, total, cache_dtype), mesh)
-
-        def prefill_chunk(carry, i):
-            cache, last = carry
-            piece = jax.lax.dynamic_slice_in_dim(tokens, i * chunk, chunk, axis=1)  # [B, C]
-            n_valid = jnp.clip(lengths - i * chunk, 0, chunk)
-            seg = (jnp.arange(chunk)[None, :] < n_valid[:, None]).astype(jnp.int32)
-            logits, cache = model(piece, segment_ids=seg, cache=cache)
-            cache = _shard_cache(cache, mesh)
-            idx = lengths - 1 - i * chunk
-            in_chunk = (idx >= 0) & (idx < chunk)
-            last = jnp.where(in_chunk[:, None], _last_valid_logits(logits, idx), last)
-            return (cache, last), None
-
-        last0 = jnp.zeros((B, c.vocab_size), jnp.float32)
-        (model_state, first_logits), _ = jax.lax.scan(prefill_chunk, (cache, last0), jnp.arange(prompt_len // chunk))
+        cache = shard_cache(init_cache(c, tokens.shape[0], total, cache_dtype), mesh)
+        model_state, first_logits = prefill(model, tokens, lengths, chunk, cache, mesh)
+        if num_samples > 1:  # the prompts' K/V computed once, shared by the samples of each prompt
+            model_state = shard_cache(model_state.repeat_rows(num_samples), mesh)
+            first_logits = jnp.repeat(first_logits, num_samples, axis=0)
+            lengths = jnp.repeat(lengths, num_samples, axis=0)
 
         def advance(cache, tok, active):
             """One token per active row through the cache: (logits [B, V], cache, K/V computed per row)."""
             seg = active[:, None].astype(jnp.int32)
             logits, cache = model(tok[:, None], segment_ids=seg, cache=cache, layers=layers)
-            return logits[:, 0], _shard_cache(cache, mesh), active.astype(jnp.int32)
+            return logits[:, 0], shard_cache(cache, mesh), active.astype(jnp.int32)
     else:
+        if num_samples > 1:  # nothing to share without a cache: every sample recomputes its prompt
+            tokens, lengths = jnp.repeat(tokens, num_samples, axis=0), jnp.repeat(lengths, num_samples, axis=0)
         positions = jnp.arange(total, dtype=jnp.int32)
 
         def full(rs: RecomputeState):
             """The model over every row's whole sequence so far: logits [B, V] at each row's last token."""
             seg = (positions[None, :] < rs.lengths[:, None]).astype(jnp.int32)
             logits, _ = model(rs.tokens, segment_ids=seg)
-            return _last_valid_logits(logits, rs.lengths - 1)
+            return last_valid_logits(logits, rs.lengths - 1)
 
         model_state = RecomputeState(jnp.zeros((B, total), jnp.int32).at[:, :prompt_len].set(tokens), lengths)
         first_logits = full(model_state)
@@ -208,7 +190,7 @@ def _generate_jit(
         done=jnp.zeros((B,), bool),
         out=jnp.full((B, max_new), -1, jnp.int32),
         out_logits=jnp.zeros((B, max_new, c.vocab_size) if return_logits else (0,), jnp.float32),
-        kv_computed=lengths.astype(jnp.int32),
+        kv_computed=jnp.where(first_sample, lengths, 0).astype(jnp.int32),
     )
     start = emit(start, tok, first_logits)
 
@@ -224,7 +206,8 @@ def _generate_jit(
         return emit(s, new_tok, logits)
 
     end = jax.lax.while_loop(cond, body, start)
-    result = (end.out, end.out_logits, end.kv_computed, end.step)
+    zeros = jnp.zeros((B,), jnp.int32)
+    result = (end.out, end.out_logits, end.kv_computed, end.step - 1, zeros, zeros)
     if mesh is not None:  # replicated: every process can read the tokens
         result = jax.lax.with_sharding_constraint(result, parallel.replicated(mesh))
     return result
@@ -286,6 +269,9 @@ def generate(
     return_logits: bool = False,
     cache_dtype: str | None = None,
     on_step: Callable[[int, np.ndarray], None] | None = None,
+    speculative=None,
+    draft_tokens: int = 4,
+    num_samples: int = 1,
     mesh=None,
 ) -> GenerateResult:
     """Generate up to `max_new_tokens` for each prompt (lists of token ids, any lengths) on the device.
@@ -293,6 +279,12 @@ def generate(
     chunk_size: prefill the prompts in chunks of this many tokens (default: one chunk). on_step(step, tokens[B])
     is called from the device loop as each token is produced (-1 for finished rows), for streaming.
     cache_dtype: the KV cache's storage type (see `init_cache`): float32, bfloat16, float16, int8, float8_e4m3fn.
+    speculative: None, "ngram" (prompt-lookup drafts) or a draft model with the same vocabulary; the target checks
+    up to `draft_tokens` proposals per forward pass (see `causal_lm.decode.speculative`). Greedy output is the
+    same as without it; sampled output has the same distribution.
+    num_samples: n continuations per prompt, rows ordered prompt-major (prompt 0's samples first). Each prompt is
+    prefilled once and its cached K/V shared by its samples. Seed policy: the rows draw exactly what a batch of n
+    copies of each prompt (in that order) draws with the same seed.
     mesh: run on this `causal_lm.parallel` mesh (weights placed by the partition rules if they are not on it
     already). Default: the mesh the model's weights are laid out on, if any, else one device.
     """
@@ -311,6 +303,9 @@ def generate(
         raise GenerateError(f"chunk_size must be an integer >= 1 or None, got {chunk_size!r}")
     if cache_dtype is not None and cache_dtype not in CACHE_DTYPES:
         raise GenerateError(f"cache_dtype must be one of {tuple(CACHE_DTYPES)} or None, got {cache_dtype!r}")
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int | np.integer) or num_samples < 1:
+        raise GenerateError(f"num_samples must be a positive integer, got {num_samples!r}")
+    draft = _check_speculative(speculative, draft_tokens, c, use_cache, max(lens) + max_new_tokens)
     if use_cache:
         require_causal(c)
 
@@ -325,6 +320,9 @@ def generate(
     scalars = (np.float32(temperature), np.int32(top_k or 0), np.float32(1.0 if top_p is None else top_p), stop)
 
     graphdef, state = nnx.split(model)
+    draft_graphdef = draft_state = None
+    if isinstance(draft, Decoder):
+        draft_graphdef, draft_state = nnx.split(draft)
     if mesh is None:
         mesh = parallel.mesh_of(state)
     if mesh is None:
@@ -334,31 +332,43 @@ def generate(
     else:
         if parallel.mesh_of(state) != mesh:
             state = parallel.shard_tree(state, parallel.tree_shardings(state, mesh))
+        if draft_state is not None and parallel.mesh_of(draft_state) != mesh:
+            draft_state = parallel.shard_tree(draft_state, parallel.tree_shardings(draft_state, mesh))
         # Built from host values on every process (arrays of one process's device cannot join a global jit).
         rows = parallel.shard_global_batch({"tokens": tokens, "lengths": np.asarray(lens, np.int32)}, mesh)
         key = _replicated_key(mesh)(parallel.replicate(np.uint32(seed), mesh))
         args = (rows["tokens"], rows["lengths"], key) + tuple(parallel.replicate(a, mesh) for a in scalars)
+    static = dict(
+        prompt_len=prompt_len,
+        chunk=chunk,
+        max_new=int(max_new_tokens),
+        return_logits=return_logits,
+        cache_dtype=cache_dtype,
+        stream=on_step is not None,
+        num_samples=int(num_samples),
+        mesh=mesh,
+    )
     with STREAMS.open(on_step) as stream_id:
         sid = np.int32(stream_id) if mesh is None else parallel.replicate(np.int32(stream_id), mesh)
-        out, out_logits, kv, steps = _generate_jit(
-            state,
-            *args,
-            sid,
-            graphdef=graphdef,
-            prompt_len=prompt_len,
-            chunk=chunk,
-            max_new=int(max_new_tokens),
-            use_cache=use_cache,
-            return_logits=return_logits,
-            cache_dtype=cache_dtype,
-            stream=on_step is not None,
-            mesh=mesh,
-        )
+        if draft is None:
+            result = _generate_jit(state, *args, sid, graphdef=graphdef, use_cache=use_cache, **static)
+        else:
+            result = speculative_jit(
+                state,
+                draft_state,
+                *args,
+                sid,
+                graphdef=graphdef,
+                draft_graphdef=draft_graphdef,
+                k=int(draft_tokens),
+                **static,
+            )
+        out, out_logits, kv, passes, proposed, accepted = result
         out = np.asarray(out)
         if on_step is not None:
             jax.effects_barrier()
-    steps = int(steps)
     rows = [[int(t) for t in row if t >= 0] for row in out]
+    steps = max(len(r) for r in rows)
     kv = [int(x) for x in np.asarray(kv)]
     return GenerateResult(
         tokens=rows,
@@ -366,4 +376,37 @@ def generate(
         kv_computed_per_row=kv,
         steps=steps,
         logits=np.asarray(out_logits)[:, :steps] if return_logits else None,
+        target_passes=int(passes),
+        draft_proposed=int(np.sum(proposed)),
+        draft_accepted=int(np.sum(accepted)),
+        draft_accepted_per_row=[int(x) for x in np.asarray(accepted)],
     )
+
+
+def _check_speculative(speculative, draft_tokens, config, use_cache: bool, longest: int):
+    """None (no speculation), "ngram", or the draft model; errors for anything else."""
+    if speculative is None:
+        return None
+    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int | np.integer) or not 1 <= draft_tokens <= 16:
+        raise GenerateError(f"draft_tokens must be an integer in [1, 16], got {draft_tokens!r}")
+    if not use_cache:
+        raise GenerateError("speculative decoding checks drafts through the KV cache: it needs use_cache=True")
+    if isinstance(speculative, str):
+        if speculative != "ngram":
+            raise GenerateError(f"speculative must be None, 'ngram' or a draft model, got {speculative!r}")
+        return "ngram"
+    if not isinstance(speculative, Decoder):
+        raise GenerateError(f"speculative must be None, 'ngram' or a draft model, got {type(speculative).__name__}")
+    d = speculative.config
+    if d.vocab_size != config.vocab_size:
+        raise GenerateError(
+            f"the draft model's vocabulary ({d.vocab_size} ids) differs from the target's ({config.vocab_size}): "
+            "its proposals would be other tokens"
+        )
+    if d.attention_mask != "causal":
+        raise GenerateError("the draft model decodes through its own KV cache: it needs attention_mask='causal'")
+    if longest > d.max_seq_len:  # (drafts past the last token are generated but never used)
+        raise GenerateError(
+            f"the draft model's max_seq_len={d.max_seq_len} is shorter than prompt + max_new_tokens = {longest}"
+        )
+    return speculative

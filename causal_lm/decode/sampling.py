@@ -1,6 +1,8 @@
 """Next-token sampling: greedy, temperature, top-k and top-p, all from an explicit PRNG key.
 
-The same function serves the cached and the recompute loops, so the two differ only in what they recompute.
+The same functions serve the cached, the recompute and the speculative loops, so they differ only in what they
+compute, never in how a token is chosen. `filtered_logits` is the distribution every sampler draws from (the
+speculative acceptance test compares exactly these distributions for the target and the draft).
 """
 
 from __future__ import annotations
@@ -9,19 +11,17 @@ import jax
 import jax.numpy as jnp
 
 
-def sample(logits, key, temperature, top_k, top_p):
-    """logits [B, V] float32 -> token ids [B] int32.
+def filtered_logits(logits, temperature, top_k, top_p):
+    """logits [..., V] -> the logits sampling draws from: divided by the temperature, -inf outside top-k and top-p.
 
-    temperature == 0 is greedy (argmax). top_k <= 0 disables top-k; top_p >= 1 disables top-p. Top-p keeps the
-    smallest set of most likely tokens whose probability reaches top_p, including the token that crosses the
+    top_k <= 0 disables top-k; top_p >= 1 disables top-p. Top-k keeps ties with the k-th largest value; top-p keeps
+    the smallest set of most likely tokens whose probability reaches top_p, including the token that crosses the
     threshold. All three are traced scalars, so changing them does not recompile.
     """
     logits = logits.astype(jnp.float32)
     V = logits.shape[-1]
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     scaled = logits / jnp.maximum(temperature, 1e-6)
-    desc = -jnp.sort(-scaled, axis=-1)  # [B, V], largest first
-    # top-k: drop everything below the k-th largest value (ties with it are kept).
+    desc = -jnp.sort(-scaled, axis=-1)  # [..., V], largest first
     k = jnp.clip(top_k, 1, V)
     kth = jnp.take_along_axis(desc, jnp.broadcast_to(k - 1, desc.shape[:-1])[..., None], axis=-1)
     scaled = jnp.where((top_k > 0) & (scaled < kth), -jnp.inf, scaled)
@@ -31,6 +31,17 @@ def sample(logits, key, temperature, top_k, top_p):
     before = jnp.cumsum(probs, axis=-1) - probs
     keep = (before < top_p) | (jnp.arange(V) == 0)
     cutoff = jnp.min(jnp.where(keep, desc, jnp.inf), axis=-1, keepdims=True)
-    scaled = jnp.where((top_p < 1.0) & (scaled < cutoff), -jnp.inf, scaled)
-    sampled = jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy)
+    return jnp.where((top_p < 1.0) & (scaled < cutoff), -jnp.inf, scaled)
+
+
+def probabilities(logits, temperature, top_k, top_p):
+    """The distribution `sample` draws from, as probabilities [..., V]: one-hot on the argmax when greedy."""
+    greedy = jax.nn.one_hot(jnp.argmax(logits, axis=-1), logits.shape[-1], dtype=jnp.float32)
+    return jnp.where(temperature > 0, jax.nn.softmax(filtered_logits(logits, temperature, top_k, top_p), -1), greedy)
+
+
+def sample(logits, key, temperature, top_k, top_p):
+    """logits [B, V] float32 -> token ids [B] int32. temperature == 0 is greedy (argmax)."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    sampled = jax.random.categorical(key, filtered_logits(logits, temperature, top_k, top_p), axis=-1)
+    return jnp.where(temperature > 0, sampled.astype(jnp.int32), greedy)

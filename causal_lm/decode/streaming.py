@@ -22,6 +22,7 @@ class StreamRegistry:
     def __init__(self):
         self._lock = threading.Lock()
         self._callbacks: dict[int, Callable[[int, np.ndarray], None]] = {}
+        self._reported: dict[int, int] = {}  # columns already passed on, for streams fed whole buffers
         self._ids = itertools.count(1)
 
     @contextlib.contextmanager
@@ -30,11 +31,13 @@ class StreamRegistry:
         with self._lock:
             sid = next(self._ids) % (2**31 - 1)
             self._callbacks[sid] = callback
+            self._reported[sid] = 0
         try:
             yield sid
         finally:
             with self._lock:
                 self._callbacks.pop(sid, None)
+                self._reported.pop(sid, None)
 
     def dispatch(self, sid, step, tokens) -> None:
         """Called from the device loop: forward (step, tokens [B]) to the callback of stream `sid`."""
@@ -42,6 +45,24 @@ class StreamRegistry:
             callback = self._callbacks.get(int(sid))
         if callback is not None:
             callback(int(step), np.asarray(tokens))
+
+    def dispatch_rows(self, sid, out, count, done) -> None:
+        """Called from a loop that emits several tokens per row per step (speculative decoding) with its whole
+        output buffer out [B, W], tokens emitted per row count [B] and finished rows done [B]: passes on, in
+        order, each column that every row has now produced (a finished row has produced all of its columns, -1
+        past its end), as callback(column, tokens [B])."""
+        sid = int(sid)
+        with self._lock:
+            callback, start = self._callbacks.get(sid), self._reported.get(sid, 0)
+        if callback is None:
+            return
+        out, count, done = np.asarray(out), np.asarray(count), np.asarray(done)
+        ready = int(count.max()) if done.all() else int(min(count[~done].min(), count.max()))
+        for col in range(start, ready):
+            callback(col, out[:, col])
+        with self._lock:
+            if sid in self._reported:
+                self._reported[sid] = max(start, ready)
 
 
 STREAMS = StreamRegistry()

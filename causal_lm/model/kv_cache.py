@@ -219,6 +219,19 @@ class KVCache:
         )
         return dataclasses.replace(self, groups=groups, lengths=lengths)
 
+    def repeat_rows(self, n: int) -> KVCache:
+        """Each row repeated n times in place (row b becomes rows b*n .. b*n + n-1): n continuations sharing one
+        prefilled prompt without computing it again."""
+        groups = tuple(
+            dataclasses.replace(
+                g,
+                arrays={k: jnp.repeat(a, n, axis=1) for k, a in g.arrays.items()},
+                positions=jnp.repeat(g.positions, n, axis=0),
+            )
+            for g in self.groups
+        )
+        return dataclasses.replace(self, groups=groups, lengths=jnp.repeat(self.lengths, n, axis=0))
+
     # ---- storage -----------------------------------------------------------------------------------------------
     def _write(self, g: int, i, new: dict, plan: CacheWrite) -> KVCache:
         group = self.groups[g]

@@ -1,0 +1,294 @@
+"""Speculative decoding: a cheap draft proposes k tokens, the target checks them all in one cached forward pass.
+
+At batch 1 a decode step is memory-bound: scoring k + 1 tokens costs the target about what scoring one does. Each
+pass of the loop
+
+  1. proposes k_b <= k tokens per row: "ngram" (prompt lookup: the tokens that followed the most recent earlier
+     occurrence of the row's last 3, else 2, else 1 tokens in its own prompt + output; none found, none proposed)
+     or a draft model (any causal_lm model with the same vocabulary, decoding k tokens with its own cache);
+  2. feeds [pending token, d_1 .. d_k] to the target as one chunk at each row's own offset (rows proposing fewer
+     pad the chunk; padding is neither written nor counted) and gets its distributions p_0 .. p_k;
+  3. accepts the longest agreeing prefix, a_b tokens: greedy, d_i equals the argmax of p_{i-1}; sampling, d_i is
+     kept with probability min(1, p(d_i) / q(d_i)) where q is the draft's distribution (a point mass for "ngram");
+  4. adds one token of the target's own: greedy, the argmax of p_a; sampling, a draw from the normalised
+     max(0, p_a - q_a) after a rejection, or from p_a when every proposal was kept. So every pass emits at least
+     one token, and the output distribution is exactly plain sampling's (temperature, top-k and top-p are applied
+     to p and q alike, `sampling.probabilities`);
+  5. rolls each row's cache back to its accepted length (`KVCache.rollback`): rows accept different counts.
+
+Greedy decoding therefore emits exactly the tokens of plain decoding. The target's ring caches (local layers) keep
+k extra slots (`lookahead`) so a rollback never needs a key a draft overwrote.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.experimental import io_callback
+
+from causal_lm.decode.prefill import count_trace, prefill, shard_cache
+from causal_lm.decode.sampling import probabilities, sample
+from causal_lm.decode.streaming import STREAMS
+from causal_lm.model.kv_cache import init_cache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpeculativeState:
+    """The speculative loop's carry."""
+
+    passes: jax.Array  # int32: target forward passes so far (after prefill)
+    target: object  # the target's KVCache: every row's tokens but its last (pending) one
+    draft: object  # the draft model's KVCache, or None ("ngram")
+    history: jax.Array  # [B, H] int32: prompt + emitted tokens, right-padded
+    hist_len: jax.Array  # [B] int32: valid length of `history` (= target cache length + 1)
+    count: jax.Array  # [B] int32: tokens emitted
+    done: jax.Array  # [B] bool
+    out: jax.Array  # [B, max_new + k + 1] int32, -1 where nothing was emitted
+    out_logits: jax.Array  # [B, max_new + k + 1, V] float32 with return_logits, else [0]
+    kv_computed: jax.Array  # [B] int32: the target's K/V vectors computed (rejected drafts included)
+    proposed: jax.Array  # [B] int32: draft tokens proposed
+    accepted: jax.Array  # [B] int32: draft tokens accepted
+
+
+def ngram_proposals(history, hist_len, k: int, max_n: int = 3):
+    """Prompt-lookup drafts: (tokens [B, k], how many of them are proposals [B]).
+
+    For n = max_n .. 1, the most recent earlier occurrence of the row's last n tokens (one that ends before the
+    last token) proposes the up to k tokens that followed it; the longest n that occurs wins."""
+    B, H = history.shape
+    pos = jnp.arange(H, dtype=jnp.int32)
+    start = jnp.zeros((B,), jnp.int32)
+    found = jnp.zeros((B,), bool)
+    for n in range(max_n, 0, -1):
+        suffix = jnp.take_along_axis(history, jnp.clip(hist_len[:, None] - n + jnp.arange(n), 0, H - 1), axis=1)
+        match = (pos[None, :] + n <= hist_len[:, None] - 1) & (hist_len[:, None] > n)  # [B, H]: occurrence at j
+        for i in range(n):
+            shifted = jnp.concatenate([history[:, i:], jnp.full((B, i), -1, history.dtype)], axis=1)  # h[j + i]
+            match &= shifted == suffix[:, i : i + 1]
+        last = jnp.max(jnp.where(match, pos[None, :], -1), axis=1)  # the most recent occurrence, -1 if none
+        use = ~found & (last >= 0)
+        start = jnp.where(use, last + n, start)
+        found |= use
+    drafts = jnp.take_along_axis(history, jnp.clip(start[:, None] + jnp.arange(k), 0, H - 1), axis=1)
+    return drafts, jnp.where(found, jnp.clip(hist_len - start, 0, k), 0)
+
+
+def _draft_proposals(draft, layers, cache, history, hist_len, active, k, key, temperature, top_k, top_p, mesh):
+    """Draft-model proposals: feed the draft the 1 or 2 history tokens its cache lacks, then let it decode k tokens.
+    Returns (drafts [B, k], their distributions q [B, k, V], the draft cache)."""
+    D = cache.lengths
+    idx = D[:, None] + jnp.arange(2, dtype=jnp.int32)
+    chunk = jnp.take_along_axis(history, jnp.clip(idx, 0, history.shape[1] - 1), axis=1)  # [B, 2]
+    seg = ((idx < hist_len[:, None]) & active[:, None]).astype(jnp.int32)
+    logits, cache = draft(chunk, segment_ids=seg, cache=cache, layers=layers)
+    last = jnp.take_along_axis(logits, jnp.clip(hist_len - D - 1, 0, 1)[:, None, None], axis=1)[:, 0]
+    cache = shard_cache(cache, mesh)
+    seg_active = active[:, None].astype(jnp.int32)
+
+    def propose(last, j):
+        return sample(last, jax.random.fold_in(key, j), temperature, top_k, top_p), probabilities(
+            last, temperature, top_k, top_p
+        )
+
+    def step(carry, j):  # one draft token decoded: one program body for all k - 1 steps (compile time)
+        cache, last = carry
+        tok, q = propose(last, j)
+        logits, cache = draft(tok[:, None], segment_ids=seg_active, cache=cache, layers=layers)
+        return (shard_cache(cache, mesh), logits[:, 0]), (tok, q)
+
+    (cache, last), (tokens, qs) = jax.lax.scan(step, (cache, last), jnp.arange(k - 1))
+    tok, q = propose(last, k - 1)
+    tokens = jnp.concatenate([tokens, tok[None]], axis=0).transpose(1, 0)  # [B, k]
+    qs = jnp.concatenate([qs, q[None]], axis=0).transpose(1, 0, 2)  # [B, k, V]
+    return tokens, qs, cache
+
+
+def _accept(logits, drafts, q, n_prop, key, temperature, top_k, top_p):
+    """(accepted count a [B], the target's own next token [B]) from the target's logits [B, k+1, V] over the chunk
+    [pending, d_1 .. d_k]. q: the draft's distributions [B, k, V], or None for point-mass ("ngram") drafts."""
+    B, k = drafts.shape
+    V = logits.shape[-1]
+    p = probabilities(logits, temperature, top_k, top_p)  # [B, k+1, V]
+    onehot = jax.nn.one_hot(drafts, V, dtype=jnp.float32)  # [B, k, V]
+    q = onehot if q is None else q
+    p_d = jnp.sum(p[:, :k] * onehot, -1)  # [B, k]: target probability of each draft token
+    q_d = jnp.sum(q * onehot, -1)
+    k_accept, k_next = jax.random.split(key)
+    u = jax.random.uniform(k_accept, (B, k))
+    greedy_ok = drafts == jnp.argmax(logits[:, :k], -1)
+    ok = jnp.where(temperature > 0, u * q_d < p_d, greedy_ok) & (jnp.arange(k)[None] < n_prop[:, None])
+    a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)  # leading accepted run
+    p_a = jnp.take_along_axis(p, a[:, None, None], axis=1)[:, 0]  # [B, V]
+    q_a = jnp.take_along_axis(jnp.concatenate([q, jnp.zeros_like(q[:, :1])], 1), a[:, None, None], axis=1)[:, 0]
+    residual = jnp.maximum(p_a - q_a, 0.0)
+    rejected = a < n_prop
+    dist = jnp.where(rejected[:, None] & (residual.sum(-1, keepdims=True) > 0), residual, p_a)
+    drawn = jax.random.categorical(k_next, jnp.log(dist), axis=-1).astype(jnp.int32)
+    greedy_next = jnp.argmax(jnp.take_along_axis(logits, a[:, None, None], axis=1)[:, 0], -1).astype(jnp.int32)
+    return a, jnp.where(temperature > 0, drawn, greedy_next)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "graphdef",
+        "draft_graphdef",
+        "prompt_len",
+        "chunk",
+        "max_new",
+        "k",
+        "num_samples",
+        "return_logits",
+        "cache_dtype",
+        "stream",
+        "mesh",
+    ),
+)
+def speculative_jit(
+    state,
+    draft_state,
+    tokens,
+    lengths,
+    key,
+    temperature,
+    top_k,
+    top_p,
+    stop_ids,
+    stream_id,
+    *,
+    graphdef,
+    draft_graphdef,
+    prompt_len,
+    chunk,
+    max_new,
+    k,
+    num_samples,
+    return_logits,
+    cache_dtype,
+    stream,
+    mesh=None,
+):
+    """The whole speculative generation program: prefill target (and draft), then the loop (see the module doc).
+    draft_graphdef None means "ngram" drafting. Returns (out, out_logits, kv_computed, passes, proposed, accepted)."""
+    count_trace()
+    model = nnx.merge(graphdef, state)
+    c = model.config
+    B0 = tokens.shape[0]
+    B = B0 * num_samples
+    total = prompt_len + max_new + k + 1  # a pass writes up to k + 1 tokens past the last emitted one
+    target = shard_cache(init_cache(c, B0, total, cache_dtype, lookahead=k), mesh)
+    target, first_logits = prefill(model, tokens, lengths, chunk, target, mesh)
+    draft = draft_layers = None
+    if draft_graphdef is not None:
+        draft = nnx.merge(draft_graphdef, draft_state)
+        draft_layers = draft.split_layers()
+        dcache = shard_cache(init_cache(draft.config, B0, total, cache_dtype, lookahead=k), mesh)
+        dcache, _ = prefill(draft, tokens, lengths, chunk, dcache, mesh)
+    if num_samples > 1:  # the prompts' K/V computed once, shared by the samples of each prompt
+        target = shard_cache(target.repeat_rows(num_samples), mesh)
+        first_logits = jnp.repeat(first_logits, num_samples, axis=0)
+        tokens, lengths = jnp.repeat(tokens, num_samples, axis=0), jnp.repeat(lengths, num_samples, axis=0)
+        if draft is not None:
+            dcache = shard_cache(dcache.repeat_rows(num_samples), mesh)
+    layers = model.split_layers()
+
+    width = max_new + k + 1
+    first = sample(first_logits, jax.random.fold_in(key, 0), temperature, top_k, top_p)
+    history = jnp.zeros((B, total), jnp.int32).at[:, :prompt_len].set(tokens)
+    history = jax.vmap(lambda h, i, t: h.at[i].set(t))(history, lengths, first)
+    out_logits = jnp.zeros((B, width, c.vocab_size) if return_logits else (0,), jnp.float32)
+    if return_logits:
+        out_logits = out_logits.at[:, 0].set(first_logits)
+    start = SpeculativeState(
+        passes=jnp.int32(0),
+        target=target,
+        draft=dcache if draft is not None else None,
+        history=history,
+        hist_len=lengths + 1,
+        count=jnp.ones((B,), jnp.int32),
+        done=jnp.isin(first, stop_ids) | (max_new <= 1),
+        out=jnp.full((B, width), -1, jnp.int32).at[:, 0].set(first),
+        out_logits=out_logits,
+        kv_computed=jnp.zeros((B,), jnp.int32),
+        proposed=jnp.zeros((B,), jnp.int32),
+        accepted=jnp.zeros((B,), jnp.int32),
+    )
+    if stream:
+        io_callback(STREAMS.dispatch_rows, None, stream_id, start.out, start.count, start.done, ordered=mesh is None)
+
+    def cond(s: SpeculativeState):
+        return ~jnp.all(s.done) & (s.passes < max_new)
+
+    def body(s: SpeculativeState) -> SpeculativeState:
+        active = ~s.done
+        key_pass = jax.random.fold_in(key, s.passes + 1)
+        k_draft, k_accept = jax.random.split(key_pass)
+        budget = jnp.clip(max_new - s.count - 1, 0, k)  # proposals beyond max_new would be thrown away
+        if draft is None:
+            drafts, n_prop = ngram_proposals(s.history, s.hist_len, k)
+            q, dcache = None, None
+        else:
+            drafts, q, dcache = _draft_proposals(
+                draft, draft_layers, s.draft, s.history, s.hist_len, active, k, k_draft, temperature, top_k, top_p, mesh
+            )
+            n_prop = jnp.full((B,), k, jnp.int32)
+        n_prop = jnp.where(active, jnp.minimum(n_prop, budget), 0)
+        pending = jnp.take_along_axis(s.history, (s.hist_len - 1)[:, None], axis=1)  # [B, 1]
+        chunk_tokens = jnp.concatenate([pending, drafts], axis=1)  # [B, k + 1]
+        seg = ((jnp.arange(k + 1)[None] <= n_prop[:, None]) & active[:, None]).astype(jnp.int32)
+        logits, target = model(chunk_tokens, segment_ids=seg, cache=s.target, layers=layers)
+        a, nxt = _accept(logits, drafts, q, n_prop, k_accept, temperature, top_k, top_p)
+        a = jnp.where(active, a, 0)
+        # emitted: d_1 .. d_a, then the target's own token; cut at the first stop token and at max_new
+        emitted = jnp.where(
+            jnp.arange(k + 1)[None] < a[:, None], jnp.concatenate([drafts, drafts[:, :1]], 1), nxt[:, None]
+        )  # [B, k + 1]
+        m = jnp.minimum(a + 1, max_new - s.count)
+        is_stop = jnp.isin(emitted, stop_ids) & (jnp.arange(k + 1)[None] < m[:, None])
+        first_stop = jnp.argmax(is_stop, axis=1)
+        stopped = jnp.any(is_stop, axis=1)
+        m = jnp.where(stopped, jnp.minimum(m, first_stop + 1), m)
+        m = jnp.where(active, m, 0)
+        cols = s.count[:, None] + jnp.arange(k + 1)[None]
+        cols = jnp.where(jnp.arange(k + 1)[None] < m[:, None], cols, width)  # past the end: dropped
+        out = jax.vmap(lambda o, i, t: o.at[i].set(t, mode="drop"))(s.out, cols, emitted)
+        out_logits = s.out_logits
+        if return_logits:
+            out_logits = jax.vmap(lambda o, i, x: o.at[i].set(x, mode="drop"))(out_logits, cols, logits)
+        hcols = jnp.where(jnp.arange(k + 1)[None] < m[:, None], s.hist_len[:, None] + jnp.arange(k + 1), total)
+        history = jax.vmap(lambda h, i, t: h.at[i].set(t, mode="drop"))(s.history, hcols, emitted)
+        count = s.count + m
+        done = s.done | stopped | (count >= max_new)
+        # the caches keep the pending token and the accepted drafts; the target's own token is the next pending one
+        kept = s.hist_len + a  # = old cache length + 1 + a
+        target = shard_cache(target.rollback(jnp.where(active, kept, target.lengths)), mesh)
+        new = dataclasses.replace(
+            s,
+            passes=s.passes + 1,
+            target=target,
+            history=history,
+            hist_len=s.hist_len + m,
+            count=count,
+            done=done,
+            out=out,
+            out_logits=out_logits,
+            kv_computed=s.kv_computed + jnp.sum(seg, axis=1),
+            proposed=s.proposed + n_prop,
+            accepted=s.accepted + jnp.minimum(a, n_prop),
+        )
+        if draft is not None:
+            new = dataclasses.replace(new, draft=shard_cache(dcache.rollback(jnp.minimum(kept, dcache.lengths)), mesh))
+        if stream:
+            io_callback(STREAMS.dispatch_rows, None, stream_id, new.out, new.count, new.done, ordered=mesh is None)
+        return new
+
+    end = jax.lax.while_loop(cond, body, start)
+    # the prompt's K/V were computed once per prompt: counted on its first sample's row
+    prompt_kv = jnp.where(jnp.arange(B) % num_samples == 0, lengths, 0)
+    out_logits = end.out_logits[:, :max_new] if return_logits else end.out_logits
+    return end.out[:, :max_new], out_logits, end.kv_computed + prompt_kv, end.passes, end.proposed, end.accepted

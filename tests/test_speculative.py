@@ -1,0 +1,241 @@
+"""Speculative decoding and shared prompts: fewer target passes, the same tokens (greedy) or the same distribution
+(sampling).
+
+The greedy property is the strong one: whatever the draft proposes, the output equals plain cached decoding token
+for token, because every emitted token is the target's own argmax. It is checked over the attention-variant grid
+(the draft kind rotates across the grid so each variant runs once: the target itself, a different random model,
+prompt lookup), and with every draft kind on ring-buffer, MLA and quantized caches.
+"""
+
+import collections
+
+import jax
+import numpy as np
+import pytest
+from test_cache import PROMPTS
+from variants import VARIANT_IDS, VARIANTS, tiny_config, tiny_model
+
+from causal_lm import GenerateError, build_model, generate
+from causal_lm.config import ModelConfig
+from causal_lm.decode.sampling import probabilities
+from causal_lm.model.functional import forward
+
+NEW, K = 40, 4
+DRAFTS = ("self", "random", "ngram")
+
+
+def _draft(kind, model):
+    if kind == "self":
+        return model
+    if kind == "random":
+        return build_model(model.config, seed=7)  # the same shape, other weights: mostly rejected
+    return "ngram"
+
+
+def _assert_same_as_plain(model, kind, prompts=PROMPTS, new=NEW, k=K, **kw):
+    plain = generate(model, prompts, max_new_tokens=new, return_logits=True, **kw)
+    spec = generate(
+        model, prompts, max_new_tokens=new, return_logits=True, speculative=_draft(kind, model), draft_tokens=k, **kw
+    )
+    assert spec.tokens == plain.tokens
+    for r, toks in enumerate(plain.tokens):  # the logits that chose each emitted token (none after a row's stop)
+        np.testing.assert_allclose(spec.logits[r, : len(toks)], plain.logits[r, : len(toks)], atol=1e-5, rtol=0)
+    assert spec.draft_accepted <= spec.draft_proposed
+    if kind == "self":  # every proposal accepted: one pass per k + 1 tokens
+        assert spec.draft_accepted == spec.draft_proposed > 0
+        assert spec.target_passes <= -(-new // (k + 1)) + 1
+        if not kw.get("stop_tokens"):  # (a stop inside a run leaves the run's later K/V computed for nothing)
+            assert spec.kv_computed == plain.kv_computed  # nothing computed and thrown away
+    if kind == "random":
+        assert spec.draft_accepted < spec.draft_proposed / 2
+    assert spec.target_passes <= plain.target_passes
+    return plain, spec
+
+
+@pytest.mark.parametrize("i", range(len(VARIANTS)), ids=VARIANT_IDS)
+def test_greedy_speculation_equals_plain_decoding_over_the_grid(i):
+    _assert_same_as_plain(tiny_model(tiny_config(*VARIANTS[i])), DRAFTS[i % 3])
+
+
+MLA = ModelConfig(
+    vocab_size=61,
+    d_model=32,
+    num_layers=2,
+    num_heads=4,
+    mlp_dim=48,
+    max_seq_len=96,
+    init_std=0.2,
+    attention_type="mla",
+    kv_lora_rank=12,
+    qk_rope_head_dim=4,
+    mla_absorb=True,
+    attn_sink=True,
+)
+
+
+@pytest.mark.parametrize("kind", DRAFTS)
+@pytest.mark.parametrize(
+    "name, config, kw",
+    [
+        ("ring-mixed", tiny_config("gqa", "rope_full", sliding_window=3, layer_pattern="local,global"), {}),
+        ("mla", MLA, {}),
+        ("int8", tiny_config("mqa", "rope_partial", True, False), {"cache_dtype": "int8"}),
+    ],
+    ids=["ring-mixed", "mla", "int8"],
+)
+def test_every_draft_kind_on_rings_mla_and_quantized_caches(name, config, kw, kind):
+    _assert_same_as_plain(tiny_model(config), kind, **kw)
+
+
+def test_rows_accept_different_counts():
+    """Ragged rows of one batch accept different numbers of drafts and each still equals plain decoding."""
+    model = tiny_model(tiny_config("gqa", "rope_full"))
+    prompts = [[5, 6, 7, 8] * 4, [40, 2, 33], [9]]
+    for kind in ("ngram", "random"):
+        plain, spec = _assert_same_as_plain(model, kind, prompts=prompts)
+        assert len(set(spec.draft_accepted_per_row)) > 1, spec.draft_accepted_per_row
+        assert sum(spec.draft_accepted_per_row) == spec.draft_accepted
+
+
+def test_a_stop_token_inside_an_accepted_run():
+    model = tiny_model(tiny_config("gqa", "rope_full", True, False))
+    free = generate(model, PROMPTS, max_new_tokens=NEW).tokens
+    stop = next(t for t in free[0][3:] if free[0].index(t) >= 3)  # first seen at index >= 3: mid-run for k=4
+    first = free[0].index(stop)
+    plain, spec = _assert_same_as_plain(model, "self", stop_tokens=[stop])
+    assert spec.tokens[0] == free[0][: first + 1]
+
+
+def test_drafts_that_would_run_past_the_cache_capacity():
+    """prompt + max_new_tokens == max_seq_len: proposals past the last token are never made, nothing overflows."""
+    config = tiny_config("gqa", "learned")  # learned positions: a position past max_seq_len would be clamped
+    model = tiny_model(config)
+    prompt = [3, 4, 5, 6, 7, 8, 9, 10]
+    _assert_same_as_plain(model, "self", prompts=[prompt], new=config.max_seq_len - len(prompt), k=8)
+
+
+def test_streaming_with_speculation():
+    model = tiny_model(tiny_config("gqa", "rope_full"))
+    seen = collections.defaultdict(list)
+    res = generate(model, PROMPTS, max_new_tokens=NEW, speculative=model, on_step=lambda s, t: seen[s].append(t))
+    assert sorted(seen) == list(range(NEW)) and all(len(v) == 1 for v in seen.values())
+    for r in range(2):
+        assert [int(seen[s][0][r]) for s in range(NEW) if seen[s][0][r] >= 0] == res.tokens[r]
+
+
+# ---- sampling: the same distribution -----------------------------------------------------------------------------
+
+V = 8
+TARGET = ModelConfig(vocab_size=V, d_model=16, num_layers=1, num_heads=2, mlp_dim=16, max_seq_len=32, init_std=0.5)
+ROWS = 8000
+PROMPT = [1, 2, 3, 1]
+SAMPLING = {"temperature": 1.0}
+FILTERED = {"temperature": 0.8, "top_k": 6, "top_p": 0.9}
+
+
+def _exact_pair_probs(model, settings):
+    """P(token 2, token 3) after PROMPT (the first token marginalised): [V, V], from the model's own logits."""
+    t, k, p = settings["temperature"], settings.get("top_k", 0) or 0, settings.get("top_p", 1.0)
+    seqs = np.array([PROMPT + [a, b] for a in range(V) for b in range(V)], np.int32)
+    logits = np.asarray(forward(model, seqs)[0])  # [V*V, T, V]
+    prob = lambda x: np.asarray(probabilities(jax.numpy.asarray(x), t, k, p))  # noqa: E731
+    p1 = prob(logits[0, len(PROMPT) - 1])  # [V]
+    p2 = prob(logits[::V, len(PROMPT)])  # [V(a), V]: after a
+    p3 = prob(logits[:, len(PROMPT) + 1]).reshape(V, V, V)  # [a, b, c]: after a, b
+    return np.einsum("a,ab,abc->bc", p1, p2, p3)
+
+
+def _chi_square(counts, probs):
+    """Pearson's statistic over the cells with expected count >= 5 (the rest pooled into one cell)."""
+    expected = probs.ravel() * counts.sum()
+    small = expected < 5
+    obs = np.append(counts.ravel()[~small], counts.ravel()[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    return float(np.sum((obs[keep] - exp[keep]) ** 2 / exp[keep])), int(keep.sum()) - 1
+
+
+def _pair_counts(model, **kw):
+    res = generate(model, [PROMPT], num_samples=ROWS, max_new_tokens=3, seed=11, **kw)
+    counts = np.zeros((V, V))
+    for row in res.tokens:
+        counts[row[1], row[2]] += 1
+    return counts
+
+
+# With ~50 degrees of freedom the statistic of a correct sampler is ~50 +- 10; 110 is p < 1e-5 for df <= 60.
+CHI2_LIMIT = 110
+
+
+@pytest.fixture(scope="module")
+def sampling_models():
+    target = build_model(TARGET, seed=0)
+    draft = build_model(TARGET, seed=1)  # disagrees with the target
+    return target, draft
+
+
+@pytest.mark.parametrize("settings", [SAMPLING, FILTERED], ids=["temperature", "top-k-top-p"])
+@pytest.mark.parametrize("kind", ["plain", "draft", "ngram"])
+def test_speculative_sampling_has_the_distribution_of_plain_sampling(sampling_models, settings, kind):
+    target, draft = sampling_models
+    spec = {"plain": {}, "draft": {"speculative": draft, "draft_tokens": 3}, "ngram": {"speculative": "ngram"}}[kind]
+    counts = _pair_counts(target, **spec, **settings)
+    chi2, df = _chi_square(counts, _exact_pair_probs(target, settings))
+    print(f"{kind} {settings}: chi2 {chi2:.1f} over {df} degrees of freedom")
+    assert df >= 20 and chi2 < CHI2_LIMIT
+
+
+def test_the_distribution_check_catches_an_acceptance_rule_that_keeps_every_draft(sampling_models, monkeypatch):
+    from causal_lm.decode import speculative
+
+    target, draft = sampling_models
+    real = speculative._accept
+
+    def keep_all(logits, drafts, q, n_prop, key, temperature, top_k, top_p):
+        a, nxt = real(logits, drafts, q, n_prop, key, temperature, top_k, top_p)
+        return n_prop, nxt
+
+    monkeypatch.setattr(speculative, "_accept", keep_all)
+    counts = _pair_counts(target, speculative=draft, draft_tokens=2, **SAMPLING)  # k=2: a fresh trace
+    chi2, _ = _chi_square(counts, _exact_pair_probs(target, SAMPLING))
+    assert chi2 > CHI2_LIMIT
+
+
+# ---- shared prompts ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_num_samples_equals_a_batch_of_copies(use_cache):
+    model = tiny_model(tiny_config("gqa", "rope_full", True, True))
+    prompts, n = [[3, 14, 15, 9], [27, 18]], 3
+    kw = dict(max_new_tokens=12, temperature=0.9, seed=5, use_cache=use_cache, return_logits=True)
+    shared = generate(model, prompts, num_samples=n, **kw)
+    copies = generate(model, [p for p in prompts for _ in range(n)], **kw)
+    assert shared.tokens == copies.tokens  # prompt-major rows, the same draws
+    np.testing.assert_allclose(shared.logits, copies.logits, atol=1e-5, rtol=0)
+    assert len(set(map(tuple, shared.tokens[:n]))) > 1  # the samples of one prompt differ
+    if use_cache:  # each prompt's K/V computed once, not n times
+        assert shared.kv_computed == copies.kv_computed - (n - 1) * sum(map(len, prompts))
+    else:  # recomputation shares nothing
+        assert shared.kv_computed == copies.kv_computed
+
+
+def test_num_samples_with_speculation():
+    model = tiny_model(tiny_config("gqa", "rope_full"))
+    a = generate(model, PROMPTS, max_new_tokens=16, num_samples=2, speculative="ngram")
+    b = generate(model, [p for p in PROMPTS for _ in range(2)], max_new_tokens=16)
+    assert a.tokens == b.tokens
+
+
+def test_bad_speculative_arguments():
+    model = tiny_model(tiny_config("gqa", "rope_full"))
+    with pytest.raises(GenerateError, match="use_cache=True"):
+        generate(model, PROMPTS, max_new_tokens=4, speculative="ngram", use_cache=False)
+    with pytest.raises(GenerateError, match="'ngram' or a draft model"):
+        generate(model, PROMPTS, max_new_tokens=4, speculative="medusa")
+    with pytest.raises(GenerateError, match="draft_tokens"):
+        generate(model, PROMPTS, max_new_tokens=4, speculative="ngram", draft_tokens=0)
+    with pytest.raises(GenerateError, match="vocabulary"):
+        generate(model, PROMPTS, max_new_tokens=4, speculative=build_model(tiny_config("gqa", vocab_size=50)))
+    with pytest.raises(GenerateError, match="num_samples"):
+        generate(model, PROMPTS, max_new_tokens=4, num_samples=0)
