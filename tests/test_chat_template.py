@@ -20,11 +20,17 @@ from causal_lm import ChatTemplateError, apply_chat_template  # noqa: E402
 from causal_lm.data.tokenizer import load_tokenizer, tokenizer_from_dict  # noqa: E402
 from causal_lm.interop.hf import read_hf_tokenizer  # noqa: E402
 
-# A template that passes message content through tojson (which must not HTML-escape) and reads a caller variable.
-TOJSON = (
-    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] | tojson }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}{% if note is defined %} ({{ note }}){% endif %}"
-)
+# A template that passes message content through tojson (which must not HTML-escape), reads a caller variable, and
+# is laid out on indented lines without `-`: it renders as transformers does only with trim_blocks and lstrip_blocks.
+TOJSON = """{% for m in messages %}
+    {% if m['role'] == 'system' %}
+[{{ m['content'] | trim }}]
+    {% else %}
+{{ m['role'] }}: {{ m['content'] | tojson }}
+    {% endif %}
+{% endfor %}
+{% if add_generation_prompt %}
+assistant:{% endif %}{% if note is defined %} ({{ note }}){% endif %}"""
 
 KINDS = {
     # name: (special tokens at ids 0.., bos, eos, template, where the template is stored)
@@ -109,6 +115,8 @@ def test_end_of_turn_tokens_are_stop_ids(tmp_path):
     assert tok.eos_id == 1 and set(tok.stop_ids) == {1, 4}  # <|end_of_text|>, <|eot_id|>
     path, hf = make_folder(tmp_path / "plain", "tojson")
     assert read_hf_tokenizer(path, hf).stop_ids == (0,)
+    path, hf = make_folder(tmp_path / "plain-gen", "tojson", generation_eos=[0, 2])
+    assert read_hf_tokenizer(path, hf).stop_ids == (0, 2)  # the second EOS id of generation_config.json
 
 
 def test_bos_as_the_checkpoint_asks(tmp_path):
