@@ -213,3 +213,16 @@ def test_convert_from_hf_keeps_settings_and_to_hf_writes_them(tmp_path, capsys):
         assert apply_chat_template(saved, msgs) == ref.apply_chat_template(
             msgs, tokenize=False, add_generation_prompt=True
         )
+
+
+def test_cli_chat_errors_are_one_line(capsys):
+    """--chat misuse is one `error:` line before any model is built."""
+    from causal_lm.cli import main
+
+    for argv, match in (
+        (["generate", "--chat", "hi"], "--chat needs --workdir"),
+        (["generate", "--workdir", "x", "--chat", "hi", "--prompt", "The "], "exclude each other"),
+    ):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "error:" in err[0] and match in err[0], err
