@@ -347,6 +347,52 @@ def test_tokenizer_matches_transformers_gguf_tokenizer(tok, tmp_path, pre, add_b
         assert ours.encode_prompt("<|im_start|>hi")[:2] != [1, 1]
 
 
+def write_spm_file(path):
+    """A SentencePiece-style (`llama`) vocabulary as Llama 2 files store it: <unk>, <s>, </s>, the 256 byte tokens,
+    pieces with "\u2581" for spaces scored by merge rank, then the single characters; scores, no merges."""
+    from chat_tokenizers import CORPUS
+    from tokenizers import Tokenizer, models, trainers
+
+    t = Tokenizer(models.BPE())
+    t.pre_tokenizer = pre_tokenizers.Metaspace()
+    t.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=500, show_progress=False))
+    by_id = sorted(t.get_vocab().items(), key=lambda kv: kv[1])
+    pieces = [p for p, _ in by_id if len(p) > 1] + [p for p, _ in by_id if len(p) == 1]  # merges first
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    scores = [0.0] * 259 + [-float(k) for k in range(len(pieces))]
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+def test_sentencepiece_vocabulary_matches_transformers(tmp_path):
+    """Llama 2-style files: merges derived from the scores, "\u2581" spaces, byte fallback for characters outside the
+    vocabulary, BOS by default -- the same ids as transformers' GGUF tokenizer, and text back on decoding."""
+    path = write_spm_file(tmp_path / "spm.gguf")
+    ours = gguf_tokenizer(_metadata(path))
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
+    assert ours.add_bos and ours.bos_id == 1 and ours.stop_ids == (2,)
+    for text in TEXTS[:-2] + ["x", " starts with a space", "emoji \U0001f600 falls back to bytes"]:
+        ids = ours.encode(text)
+        assert ids == ref(text, add_special_tokens=False)["input_ids"], text
+        assert ours.encode_prompt(text) == ref(text)["input_ids"] == [1] + ids, text
+        assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True)
+        if not text.startswith(" "):  # a leading space merges with the "\u2581" prepended to the text
+            assert ours.decode(ids) == text
+    assert len(ours.encode("the capital")) < len("the capital")  # merges apply
+
+
 def test_gguf_chat_template_and_stop_ids(tok, tmp_path):
     """The file's chat template renders as transformers renders it for the GGUF tokenizer, and its end-of-turn
     token (<|im_end|>, not EOS) is a stop id next to EOS."""
@@ -438,8 +484,8 @@ def test_unsupported_tokenizers_are_refused(tok, tmp_path):
     meta = _metadata(write_tokenizer_file(tmp_path / "a.gguf", tok, pre="deepseek-llm"))
     with pytest.raises(GGUFFormatError, match="tokenizer.ggml.pre='deepseek-llm'.*--tokenizer"):
         gguf_tokenizer(meta)
-    meta["tokenizer.ggml.model"] = "llama"
-    with pytest.raises(GGUFFormatError, match="tokenizer.ggml.model='llama' is not supported"):
+    meta["tokenizer.ggml.model"] = "t5"
+    with pytest.raises(GGUFFormatError, match="tokenizer.ggml.model='t5' is not supported"):
         gguf_tokenizer(meta)
 
 

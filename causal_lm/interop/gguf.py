@@ -32,14 +32,16 @@ permutation (llama.cpp runs it with the halves layout), so it is read as is.
 
 **The tokenizer** is rebuilt from the vocabulary as a `tokenizers` tokenizer: `gpt2`-type (byte-level BPE)
 vocabularies with their merges and the pre-tokenizer `tokenizer.ggml.pre` names (gpt-2, llama-bpe for Llama 3,
-qwen2, smollm/starcoder). Tokens marked control become special tokens, user-defined ones added tokens. BOS is
+qwen2, smollm/starcoder), and `llama`-type (SentencePiece BPE, Llama 2 and TinyLlama) with merges derived from the
+token scores, byte fallback and the "▁" space. Tokens marked control become special tokens, user-defined ones
+added tokens. BOS is
 prepended when `tokenizer.ggml.add_bos_token` says so (llama.cpp's defaults where it is absent), and the stop ids
 are EOS, the end-of-turn id and the chat template's end-of-turn token.
 
 Refused, each with an error naming the setting: other architectures, mixture-of-experts files, RoPE scaling
 (including Llama 3.1+'s `rope_freqs.weight`: not computed by the model here, so not approximated), partial
-RoPE, per-layer head counts, tensor types `gguf` cannot dequantize, and vocabularies of other kinds
-(SentencePiece `llama`, unigram `t5`, ...; pass a tokenizer.json with `--tokenizer` to convert those).
+RoPE, per-layer head counts, tensor types `gguf` cannot dequantize, and vocabularies of other kinds (unigram
+`t5`, byte-level BPE with an unknown pre-tokenizer, ...; pass a tokenizer.json with `--tokenizer` for those).
 """
 
 from __future__ import annotations
@@ -291,22 +293,10 @@ def _default_add_bos(model: str, pre: str) -> bool:
     return model == "llama" or pre in ("llama-bpe", "llama3", "llama-v3")
 
 
-def gguf_tokenizer(meta: dict, source: str = "the GGUF file"):
-    """The file's vocabulary as an HFTokenizer (a tokenizers byte-level BPE), with BOS handling, stop ids and the
-    chat template from its metadata."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+def _byte_level_bpe(meta: dict, tokens: list, source: str):
+    """A `gpt2`-type vocabulary: byte-level BPE with the file's merges and the pre-tokenizer it names."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-    from causal_lm.data.tokenizer import HFTokenizer
-    from causal_lm.interop.chat import end_of_turn_id
-
-    kind = meta.get("tokenizer.ggml.model")
-    if kind is None or "tokenizer.ggml.tokens" not in meta:
-        raise GGUFFormatError(f"{source} has no tokenizer (tokenizer.ggml.model / tokens); pass a tokenizer.json")
-    if kind != "gpt2":
-        raise GGUFFormatError(
-            f"{source}: tokenizer.ggml.model={kind!r} is not supported (only 'gpt2', byte-level BPE, is rebuilt "
-            "here); pass the model's tokenizer.json with --tokenizer"
-        )
     pre = meta.get("tokenizer.ggml.pre", "default")
     if pre not in _PRE_TOKENIZERS:
         raise GGUFFormatError(
@@ -314,17 +304,10 @@ def gguf_tokenizer(meta: dict, source: str = "the GGUF file"):
             f"{', '.join(sorted(_PRE_TOKENIZERS))}); pass the model's tokenizer.json with --tokenizer"
         )
     split, digits, nfc, ignore_merges = _PRE_TOKENIZERS[pre]
-    tokens = list(meta["tokenizer.ggml.tokens"])
-    types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
     if not merges:
         raise GGUFFormatError(f"{source}: a byte-level BPE vocabulary without tokenizer.ggml.merges")
-    vocab: dict[str, int] = {}
-    for i, t in enumerate(tokens):
-        vocab.setdefault(t, i)
-    if len(vocab) != len(tokens):
-        raise GGUFFormatError(f"{source}: the vocabulary lists {len(tokens) - len(vocab)} tokens twice")
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
+    tok = Tokenizer(models.BPE(vocab=_vocab(tokens, source), merges=merges, ignore_merges=ignore_merges))
     if nfc:
         tok.normalizer = normalizers.NFC()
     steps = [pre_tokenizers.Digits(individual_digits=True)] if digits else []
@@ -334,6 +317,76 @@ def gguf_tokenizer(meta: dict, source: str = "the GGUF file"):
     ]
     tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
     tok.decoder = decoders.ByteLevel()
+    return tok, _default_add_bos("gpt2", pre)
+
+
+def spm_merges(tokens: list, scores: list) -> list[tuple[str, str]]:
+    """BPE merges equivalent to a SentencePiece BPE vocabulary, which stores scores instead of merges.
+
+    Every way of cutting a token into two tokens of the vocabulary is a merge producing it; merges are ranked by
+    the produced token's score (higher first), then by the lengths of the two parts (longer first), and among equal
+    keys by the parts' ids. This is the rule transformers and tokenizers use to convert such vocabularies.
+    """
+    vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}  # the first id of a repeated token
+    merges = []
+    for piece, score in zip(tokens, scores, strict=True):
+        cuts = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab]
+        cuts.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
+        merges.extend((left, right, float(score)) for left, right in cuts)
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)  # stable: ties keep the id order
+    return [(left, right) for left, right, _ in merges]
+
+
+def _sentencepiece_bpe(meta: dict, tokens: list, source: str):
+    """A `llama`-type vocabulary (SentencePiece BPE: Llama 1/2, Mistral v0.1, TinyLlama): "▁" for spaces, byte
+    tokens <0xNN> for characters outside the vocabulary, merges from the file or derived from the scores."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    if "tokenizer.ggml.merges" in meta:
+        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    elif "tokenizer.ggml.scores" in meta:
+        merges = spm_merges(tokens, list(meta["tokenizer.ggml.scores"]))
+    else:
+        raise GGUFFormatError(f"{source}: a SentencePiece vocabulary with neither merges nor scores")
+    tok = Tokenizer(models.BPE(vocab=_vocab(tokens, source), merges=merges, fuse_unk=True, byte_fallback=True))
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))  # a space before the text, as SentencePiece
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme="first" if prefix else "never", split=False
+    )
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+    return tok, _default_add_bos("llama", "")
+
+
+def _vocab(tokens: list, source: str) -> dict:
+    vocab: dict[str, int] = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    if len(vocab) != len(tokens):
+        raise GGUFFormatError(f"{source}: the vocabulary lists {len(tokens) - len(vocab)} tokens twice")
+    return vocab
+
+
+def gguf_tokenizer(meta: dict, source: str = "the GGUF file"):
+    """The file's vocabulary as an HFTokenizer (a `tokenizers` BPE), with BOS handling, stop ids and the chat
+    template from its metadata."""
+    from tokenizers import AddedToken
+
+    from causal_lm.data.tokenizer import HFTokenizer
+    from causal_lm.interop.chat import end_of_turn_id
+
+    kind = meta.get("tokenizer.ggml.model")
+    if kind is None or "tokenizer.ggml.tokens" not in meta:
+        raise GGUFFormatError(f"{source} has no tokenizer (tokenizer.ggml.model / tokens); pass a tokenizer.json")
+    builders = {"gpt2": _byte_level_bpe, "llama": _sentencepiece_bpe}
+    if kind not in builders:
+        raise GGUFFormatError(
+            f"{source}: tokenizer.ggml.model={kind!r} is not supported (rebuilt here: 'gpt2', byte-level BPE, and "
+            "'llama', SentencePiece BPE); pass the model's tokenizer.json with --tokenizer"
+        )
+    tokens = list(meta["tokenizer.ggml.tokens"])
+    types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    tok, default_add_bos = builders[kind](meta, tokens, source)
     added = [
         AddedToken(t, special=ty == _CONTROL, normalized=False)
         for t, ty in zip(tokens, types, strict=True)
@@ -364,7 +417,7 @@ def gguf_tokenizer(meta: dict, source: str = "the GGUF file"):
         eos_id=eos,
         pad_id=pad,
         source=source,
-        add_bos=bool(add_bos) if add_bos is not None else _default_add_bos(kind, pre),
+        add_bos=bool(add_bos) if add_bos is not None else default_add_bos,
         stop_ids=stops,
         chat_template=template,
         special_tokens=special,
