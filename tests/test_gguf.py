@@ -391,6 +391,21 @@ def test_sentencepiece_vocabulary_matches_transformers(tmp_path):
         if not text.startswith(" "):  # a leading space merges with the "\u2581" prepended to the text
             assert ours.decode(ids) == text
     assert len(ours.encode("the capital")) < len("the capital")  # merges apply
+    # The derived merges, in order, are the ones transformers derives from the same tokens and scores.
+    from transformers.tokenization_utils_base import generate_merges
+
+    from causal_lm.interop.gguf import spm_merges
+
+    meta = _metadata(path)
+    tokens, scores = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.scores"]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    assert spm_merges(tokens, scores) == generate_merges(vocab, dict(zip(tokens, scores, strict=True)))
+    # Also where the tie-breaks matter: ids shuffled against lengths, many equal scores.
+    rng = np.random.default_rng(0)
+    tokens = [tokens[i] for i in rng.permutation(len(tokens))]
+    scores = [float(x) for x in rng.integers(0, 5, len(tokens))]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    assert spm_merges(tokens, scores) == generate_merges(vocab, dict(zip(tokens, scores, strict=True)))
 
 
 def test_gguf_chat_template_and_stop_ids(tok, tmp_path):

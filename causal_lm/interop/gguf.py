@@ -324,16 +324,17 @@ def spm_merges(tokens: list, scores: list) -> list[tuple[str, str]]:
     """BPE merges equivalent to a SentencePiece BPE vocabulary, which stores scores instead of merges.
 
     Every way of cutting a token into two tokens of the vocabulary is a merge producing it; merges are ranked by
-    the produced token's score (higher first), then by the lengths of the two parts (longer first), and among equal
-    keys by the parts' ids. This is the rule transformers and tokenizers use to convert such vocabularies.
+    the produced token's score (higher first), then by the lengths of the two parts (longer first), then by the
+    vocabulary's order. This is the rule transformers uses to convert such vocabularies (tested equal).
     """
-    vocab = {t: i for i, t in reversed(list(enumerate(tokens)))}  # the first id of a repeated token
+    vocab = set(tokens)
     merges = []
     for piece, score in zip(tokens, scores, strict=True):
         cuts = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab]
-        cuts.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
         merges.extend((left, right, float(score)) for left, right in cuts)
-    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)  # stable: ties keep the id order
+    # Two cuts of one token differ in length, so full ties are between tokens: the sort is stable, they keep the
+    # vocabulary's order.
+    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
     return [(left, right) for left, right, _ in merges]
 
 
