@@ -12,6 +12,8 @@ from causal_lm.config import (
 )
 from causal_lm.data import DataError, build_data
 from causal_lm.decode import GenerateError, GenerateResult, generate
+from causal_lm.interop.chat import ChatTemplateError, apply_chat_template
+from causal_lm.interop.gguf import GGUFFormatError, load_gguf
 from causal_lm.interop.hf import HFFormatError, load_hf, save_hf
 from causal_lm.model import CacheError, Decoder, InputError, KVCache, build_model, init_cache
 from causal_lm.model.functional import forward
@@ -48,6 +50,10 @@ __all__ = [
     "HFFormatError",
     "load_hf",
     "save_hf",
+    "GGUFFormatError",
+    "load_gguf",
+    "ChatTemplateError",
+    "apply_chat_template",
     "DataError",
     "build_data",
     "CheckpointError",

@@ -1,7 +1,11 @@
-"""`causal-lm convert`: Hugging Face Llama / Mistral / Qwen2 checkpoints to a workdir, and back.
+"""`causal-lm convert`: Hugging Face Llama / Mistral / Qwen2 checkpoints and GGUF files to a workdir, and back.
 
 causal-lm convert --from-hf DIR --workdir OUT     then: causal-lm generate/eval --workdir OUT
+causal-lm convert --from-gguf FILE --workdir OUT  (llama / qwen2 GGUF files, any quantization, dequantized)
 causal-lm convert --to-hf WORKDIR --out DIR       then: transformers' from_pretrained(DIR)
+
+The workdir keeps the tokenizer with its settings (BOS handling, stop ids, chat template), so `generate --chat`
+works on it.
 """
 
 from __future__ import annotations
@@ -13,33 +17,37 @@ import os
 def register(sub):
     p = sub.add_parser(
         "convert",
-        help="convert Hugging Face Llama/Mistral/Qwen2 checkpoints to a workdir and back",
+        help="convert Hugging Face Llama/Mistral/Qwen2 checkpoints and GGUF files to a workdir and back",
         description="--from-hf DIR --workdir OUT reads a local Hugging Face checkpoint folder "
         "(config.json, *.safetensors, tokenizer.json) into a workdir that generate, "
-        "eval and train use; --to-hf WORKDIR --out DIR writes a workdir's model as a "
-        "folder transformers loads. Nothing is downloaded.",
+        "eval and train use; --from-gguf FILE --workdir OUT does the same for a llama.cpp GGUF file "
+        "(llama / qwen2 architectures, dequantized to float32); --to-hf WORKDIR --out DIR writes a "
+        "workdir's model as a folder transformers loads. Nothing is downloaded.",
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--from-hf", metavar="DIR", help="Hugging Face checkpoint folder to read")
+    src.add_argument("--from-gguf", metavar="FILE", help="GGUF file to read (llama or qwen2 architecture)")
     src.add_argument("--to-hf", metavar="WORKDIR", help="workdir whose checkpoint to write as a Hugging Face folder")
-    p.add_argument("--workdir", help="with --from-hf: the workdir to create")
+    p.add_argument("--workdir", help="with --from-hf / --from-gguf: the workdir to create")
     p.add_argument("--out", help="with --to-hf: the folder to write")
     p.add_argument(
         "--tokenizer",
         default=None,
-        help="with --from-hf: a tokenizer.json to use when DIR has none (generate and eval need one)",
+        help="with --from-hf: a tokenizer.json to use when DIR has none (generate and eval need one); with "
+        "--from-gguf: instead of the tokenizer rebuilt from the file's vocabulary",
     )
     p.add_argument(
         "--dtype",
         default="float32",
         choices=("float32", "bfloat16", "float16"),
-        help="with --from-hf: parameter and compute dtype of the converted model (default float32)",
+        help="with --from-hf / --from-gguf: parameter and compute dtype of the converted model (default float32)",
     )
     p.add_argument(
         "--max-seq-len",
         type=int,
         default=None,
-        help="with --from-hf: context length (default: the checkpoint's max_position_embeddings)",
+        help="with --from-hf / --from-gguf: context length (default: the checkpoint's max_position_embeddings "
+        "or the GGUF file's context_length)",
     )
     p.add_argument(
         "--architecture",
@@ -52,14 +60,26 @@ def register(sub):
     p.set_defaults(func=run)
 
 
+def _save_converted(workdir: str, model, tokenizer) -> str:
+    """Write a converted model and its tokenizer as a checkpoint of `workdir` (generate, eval, train read it)."""
+    from causal_lm.config import Config, DataConfig, TrainConfig
+    from causal_lm.train.checkpoint import save_for_inference
+
+    mc = model.config
+    # Training-side settings only matter if the workdir is fine-tuned later: a context that fits the model, and
+    # the workdir's own copy of the tokenizer (written by save_for_inference) as data.tokenizer.
+    train = TrainConfig(seq_len=min(TrainConfig().seq_len, mc.max_seq_len))
+    data = DataConfig(tokenizer=os.path.join(os.path.abspath(workdir), "tokenizer", "tokenizer.json"))
+    config = Config(model=mc, data=data, train=train)
+    return save_for_inference(workdir, model, config, tokenizer)
+
+
 def convert_from_hf(
     hf_dir: str, workdir: str, *, tokenizer_path=None, dtype: str = "float32", max_seq_len=None
 ) -> dict:
     """Read `hf_dir` with load_hf and write it as a checkpoint of `workdir`. Returns a summary dict."""
-    from causal_lm.config import Config, DataConfig, TrainConfig
     from causal_lm.data.tokenizer import HFTokenizer
     from causal_lm.interop.hf import HFFormatError, load_hf, read_hf_config
-    from causal_lm.train.checkpoint import save_for_inference
 
     model, tokenizer = load_hf(hf_dir, param_dtype=dtype, max_seq_len=max_seq_len)
     if tokenizer_path is not None:
@@ -69,20 +89,39 @@ def convert_from_hf(
             f"{hf_dir!r} has no tokenizer.json, which generate and eval need to turn text into "
             "ids; pass --tokenizer PATH/tokenizer.json"
         )
-    mc = model.config
-    # Training-side settings only matter if the workdir is fine-tuned later: a context that fits the model, and
-    # the workdir's own copy of the tokenizer (written by save_for_inference) as data.tokenizer.
-    train = TrainConfig(seq_len=min(TrainConfig().seq_len, mc.max_seq_len))
-    data = DataConfig(tokenizer=os.path.join(os.path.abspath(workdir), "tokenizer", "tokenizer.json"))
-    config = Config(model=mc, data=data, train=train)
-    path = save_for_inference(workdir, model, config, tokenizer)
+    path = _save_converted(workdir, model, tokenizer)
     arch = read_hf_config(hf_dir).get("architectures", ["?"])[0]
     return {
         "architecture": arch,
         "params": model.num_params(),
-        "config": mc,
+        "config": model.config,
         "checkpoint": path,
         "tokenizer_vocab": tokenizer.vocab_size,
+        "chat_template": getattr(tokenizer, "chat_template", None) is not None,
+    }
+
+
+def convert_from_gguf(
+    gguf_file: str, workdir: str, *, tokenizer_path=None, dtype: str = "float32", max_seq_len=None
+) -> dict:
+    """Read a GGUF file with load_gguf and write it as a checkpoint of `workdir`. Returns a summary dict."""
+    from causal_lm.data.tokenizer import HFTokenizer
+    from causal_lm.interop.gguf import ARCHITECTURES, load_gguf
+
+    model, tokenizer = load_gguf(
+        gguf_file, param_dtype=dtype, max_seq_len=max_seq_len, load_tokenizer=tokenizer_path is None
+    )
+    if tokenizer_path is not None:
+        tokenizer = HFTokenizer.from_file(tokenizer_path)
+    path = _save_converted(workdir, model, tokenizer)
+    arch = ARCHITECTURES["qwen2" if model.config.qkv_bias else "llama"]
+    return {
+        "architecture": f"GGUF {arch}",
+        "params": model.num_params(),
+        "config": model.config,
+        "checkpoint": path,
+        "tokenizer_vocab": tokenizer.vocab_size,
+        "chat_template": getattr(tokenizer, "chat_template", None) is not None,
     }
 
 
@@ -104,12 +143,15 @@ def convert_to_hf(workdir: str, out_dir: str, *, architecture=None, step=None) -
 
 
 def run(args) -> int:
-    if args.from_hf:
+    source = args.from_hf or args.from_gguf
+    if source:
+        flag = "--from-hf DIR" if args.from_hf else "--from-gguf FILE"
         if not args.workdir or args.out:
-            raise ValueError("--from-hf DIR needs --workdir OUT (and no --out)")
-        r = convert_from_hf(
-            args.from_hf, args.workdir, tokenizer_path=args.tokenizer, dtype=args.dtype, max_seq_len=args.max_seq_len
-        )
+            raise ValueError(f"{flag} needs --workdir OUT (and no --out)")
+        if args.architecture is not None or args.step is not None:
+            raise ValueError("--architecture and --step apply to --to-hf only")
+        convert = convert_from_hf if args.from_hf else convert_from_gguf
+        r = convert(source, args.workdir, tokenizer_path=args.tokenizer, dtype=args.dtype, max_seq_len=args.max_seq_len)
         m = r["config"]
         window = f", sliding window {m.sliding_window}" if m.sliding_window else ""
         print(
@@ -120,12 +162,14 @@ def run(args) -> int:
         )
         print(f"wrote {r['checkpoint']}")
         print(f"next: causal-lm generate --workdir {args.workdir} --prompt '...'")
+        if r.get("chat_template"):
+            print(f"  or: causal-lm generate --workdir {args.workdir} --chat '...'")
         return 0
     if not args.out or args.workdir:
         raise ValueError("--to-hf WORKDIR needs --out DIR (and no --workdir)")
     for name in ("tokenizer", "max_seq_len"):
         if getattr(args, name) is not None:
-            raise ValueError(f"--{name.replace('_', '-')} applies to --from-hf only")
+            raise ValueError(f"--{name.replace('_', '-')} applies to --from-hf / --from-gguf only")
     step = args.step if args.step in (None, "latest", "best") else int(args.step)
     r = convert_to_hf(args.to_hf, args.out, architecture=args.architecture, step=step)
     tok = "with tokenizer.json" if r["tokenizer_json"] else "no tokenizer.json (this tokenizer kind has none)"

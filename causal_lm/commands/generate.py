@@ -18,7 +18,13 @@ def register(sub):
         "--config", default=None, help="preset for a random-init model when no --workdir is given (default: small)"
     )
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="model overrides for --config")
-    p.add_argument("--prompt", default="The ", help="prompt text")
+    p.add_argument("--prompt", default=None, help="prompt text (default 'The ')")
+    p.add_argument(
+        "--chat",
+        metavar="MESSAGE",
+        default=None,
+        help="a user message, rendered with the checkpoint's chat template (generation stops at its end of turn)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -50,12 +56,24 @@ def run(args) -> int:
 
     if args.workdir and args.overrides:
         raise ValueError("key=value overrides apply to --config models; a workdir's model is fixed by its checkpoint")
+    if args.chat is not None and args.prompt is not None:
+        raise ValueError("--chat MESSAGE and --prompt TEXT exclude each other (--chat builds the prompt)")
+    if args.chat is not None and not args.workdir:
+        raise ValueError("--chat needs --workdir: a converted instruct model whose tokenizer has a chat template")
     model, tok = load_model_and_tokenizer(args.workdir, args.config, args.overrides)
-    prompt = tok.encode(args.prompt)
+    if args.chat is not None:
+        from causal_lm.interop.chat import apply_chat_template
+
+        text = apply_chat_template(tok, [{"role": "user", "content": args.chat}], add_generation_prompt=True)
+        shown = ""  # the reply alone, not the template's markup
+    else:
+        text = shown = args.prompt if args.prompt is not None else "The "
+    # BOS in front where the checkpoint's tokenizer asks for it (never twice); other tokenizers encode as is.
+    prompt = tok.encode_prompt(text) if hasattr(tok, "encode_prompt") else tok.encode(text)
     if not prompt:
         raise ValueError("the prompt encodes to no tokens")
     out = sys.stdout
-    out.write(args.prompt)
+    out.write(shown)
     out.flush()
     decode = tok.stream_decoder() if hasattr(tok, "stream_decoder") else None
 
@@ -64,7 +82,8 @@ def run(args) -> int:
             out.write(decode([int(toks[0])]))
             out.flush()
 
-    stops = [tok.eos_id] if getattr(tok, "eos_id", None) is not None else []
+    # EOS, the checkpoint's other EOS ids and the chat template's end-of-turn token (HFTokenizer.stop_ids).
+    stops = list(getattr(tok, "stop_ids", None) or ([tok.eos_id] if getattr(tok, "eos_id", None) is not None else []))
     kw = dict(
         max_new_tokens=args.max_new_tokens,
         use_cache=not args.no_cache,

@@ -116,16 +116,37 @@ _PAD_NAMES = ("<pad>", "[PAD]", "<|pad|>", "<|finetune_right_pad_id|>")
 
 
 class HFTokenizer:
-    """A Hugging Face `tokenizers` tokenizer.json (BPE, WordPiece, Unigram ...).
+    """A Hugging Face `tokenizers` tokenizer.json (BPE, WordPiece, Unigram ...), with the checkpoint's settings.
 
     BOS/EOS/PAD are found among the usual special-token names; a tokenizer with none of them uses EOS for all
     three (documents are separated by EOS during training). The JSON text itself is what gets saved, so a
-    checkpoint restores the exact tokenizer.
+    checkpoint restores the exact tokenizer, and with it what the checkpoint says about using it:
+
+    add_bos         prepend BOS to a prompt (`encode_prompt`): the tokenizer config's `add_bos_token`, or the
+                    tokenizer.json post-processor's own BOS. `encode` never applies the post-processor, and
+                    `encode_prompt` adds BOS once (not when the text already starts with it), so it is never doubled.
+    stop_ids        ids that end a generation: EOS, every EOS id of generation_config.json and the chat template's
+                    end-of-turn token.
+    chat_template   the Jinja chat template (None: the checkpoint has none); `causal_lm.apply_chat_template`.
+    special_tokens  the named special tokens the checkpoint declares ({"bos_token": "<s>", ...}): the variables a
+                    chat template sees.
     """
 
     kind = "hf"
 
-    def __init__(self, json_text: str, *, bos_id=None, eos_id=None, pad_id=None, source: str = "tokenizer.json"):
+    def __init__(
+        self,
+        json_text: str,
+        *,
+        bos_id=None,
+        eos_id=None,
+        pad_id=None,
+        source: str = "tokenizer.json",
+        add_bos: bool | None = None,
+        stop_ids: Iterable[int] | None = None,
+        chat_template: str | None = None,
+        special_tokens: dict | None = None,
+    ):
         from tokenizers import Tokenizer
 
         try:
@@ -150,6 +171,28 @@ class HFTokenizer:
         )
         self._special = {self.bos_id, self.eos_id, self.pad_id}
         self._byte_level = '"ByteLevel"' in json_text.replace(" ", "")
+        self.add_bos = bool(add_bos) or self._post_processor_adds_bos()
+        stops = [self.eos_id] + [int(i) for i in (stop_ids or ())]
+        self.stop_ids = tuple(dict.fromkeys(i for i in stops if 0 <= i < self.vocab_size))  # ordered, unique
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise TokenizerError(f"{source}: chat_template must be a string (got {type(chat_template).__name__})")
+        self.chat_template = chat_template or None
+        if special_tokens is None:
+            special_tokens = {
+                name: self._tok.id_to_token(i)
+                for name, i in (("bos_token", bos_id), ("eos_token", eos_id), ("pad_token", pad_id))
+                if i is not None and self._tok.id_to_token(i) is not None
+            }
+        self.special_tokens = {k: str(v) for k, v in special_tokens.items() if v is not None}
+
+    def _post_processor_adds_bos(self) -> bool:
+        """Whether tokenizer.json's post-processor puts BOS in front of a text (Llama 3, Gemma: TemplateProcessing)."""
+        try:
+            with_specials = self._tok.encode("a", add_special_tokens=True).ids
+            plain = self._tok.encode("a", add_special_tokens=False).ids
+        except Exception:  # a post-processor that cannot run on its own: treat as no BOS
+            return False
+        return len(with_specials) > len(plain) and with_specials[:1] == [self.bos_id] and plain[:1] != [self.bos_id]
 
     @classmethod
     def from_file(cls, path: str) -> HFTokenizer:
@@ -170,6 +213,12 @@ class HFTokenizer:
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """`text` as a model input: BOS in front when the checkpoint asks for it and the text does not already
+        start with it (a rendered chat template usually writes its own BOS)."""
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        return [self.bos_id] + ids if self.add_bos and ids[:1] != [self.bos_id] else ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
@@ -218,6 +267,10 @@ class HFTokenizer:
             "bos_id": self.bos_id,
             "eos_id": self.eos_id,
             "pad_id": self.pad_id,
+            "add_bos": self.add_bos,
+            "stop_ids": list(self.stop_ids),
+            "chat_template": self.chat_template,
+            "special_tokens": dict(self.special_tokens),
         }
 
     def save(self, directory: str) -> None:
@@ -254,8 +307,17 @@ def tokenizer_from_dict(d: dict):
         return ByteTokenizer()
     if kind == "char":
         return CharTokenizer(d["chars"])
-    if kind == "hf":
-        return HFTokenizer(d["json"], bos_id=d.get("bos_id"), eos_id=d.get("eos_id"), pad_id=d.get("pad_id"))
+    if kind == "hf":  # the settings keys are absent in tokenizers saved before they existed: defaults then
+        return HFTokenizer(
+            d["json"],
+            bos_id=d.get("bos_id"),
+            eos_id=d.get("eos_id"),
+            pad_id=d.get("pad_id"),
+            add_bos=d.get("add_bos"),
+            stop_ids=d.get("stop_ids"),
+            chat_template=d.get("chat_template"),
+            special_tokens=d.get("special_tokens"),
+        )
     raise TokenizerError(f"unknown tokenizer kind {kind!r} (known: byte, char, hf)")
 
 

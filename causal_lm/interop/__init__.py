@@ -1,5 +1,16 @@
-"""Interchange with other ecosystems' checkpoint formats (Hugging Face Llama / Mistral / Qwen2)."""
+"""Interchange with other ecosystems' formats: Hugging Face Llama / Mistral / Qwen2 folders, GGUF files, chat
+templates."""
 
+from causal_lm.interop.chat import ChatTemplateError, apply_chat_template
+from causal_lm.interop.gguf import GGUFFormatError, load_gguf
 from causal_lm.interop.hf import HFFormatError, load_hf, save_hf
 
-__all__ = ["HFFormatError", "load_hf", "save_hf"]
+__all__ = [
+    "ChatTemplateError",
+    "GGUFFormatError",
+    "HFFormatError",
+    "apply_chat_template",
+    "load_gguf",
+    "load_hf",
+    "save_hf",
+]

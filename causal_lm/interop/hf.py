@@ -591,17 +591,83 @@ def _special_ids(path: str, hf: dict) -> dict:
     return out  # {"bos_id": ..., "eos_id": ..., "pad_id": ...}
 
 
+def _eos_ids(path: str, hf: dict) -> list[int]:
+    """Every EOS id the checkpoint declares: generation_config.json's eos_token_id (a list for Llama 3 instruct,
+    which ends turns with <|eot_id|>) and config.json's."""
+    out = []
+    gen_path = os.path.join(path, "generation_config.json")
+    sources = [hf]
+    if os.path.isfile(gen_path):
+        with open(gen_path) as f:
+            sources.insert(0, json.load(f))
+    for src in sources:
+        v = src.get("eos_token_id")
+        for i in v if isinstance(v, list) else [v]:
+            if isinstance(i, int) and i not in out:
+                out.append(i)
+    return out
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken dict {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def read_tokenizer_settings(path: str, hf: dict, inner) -> dict:
+    """HFTokenizer keyword arguments from the folder's configs (besides the special ids): add_bos, stop_ids,
+    chat_template, special_tokens. `inner`: the tokenizers.Tokenizer, to look tokens up."""
+    from causal_lm.interop.chat import end_of_turn_id, read_chat_template
+
+    tc_path = os.path.join(path, "tokenizer_config.json")
+    tc: dict = {}
+    if os.path.isfile(tc_path):
+        with open(tc_path, encoding="utf-8") as f:
+            tc = json.load(f)
+    names = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+    special = {k: _token_text(tc.get(k)) for k in names}
+    special = {k: v for k, v in special.items() if v is not None}
+    template = read_chat_template(path, tc)
+    stops = _eos_ids(path, hf)
+    eos_text = special.get("eos_token")
+    if eos_text is not None and inner.token_to_id(eos_text) is not None:
+        stops.append(inner.token_to_id(eos_text))
+    if template is not None:
+        eot = end_of_turn_id(inner, template, special)
+        if eot is not None:
+            stops.append(eot)
+    add_bos = tc.get("add_bos_token")
+    return {
+        "add_bos": bool(add_bos) if isinstance(add_bos, bool) else None,
+        "stop_ids": stops,
+        "chat_template": template,
+        "special_tokens": special or None,
+    }
+
+
 def read_hf_tokenizer(path: str, hf: dict | None = None):
-    """The folder's tokenizer.json as the project's HFTokenizer (special ids from the checkpoint's configs), or
-    None when the folder has no tokenizer.json."""
+    """The folder's tokenizer.json as the project's HFTokenizer, or None when the folder has no tokenizer.json.
+
+    Special ids come from generation_config.json / config.json; BOS handling, the chat template and the stop
+    ids (every EOS id, plus the template's end-of-turn token) from tokenizer_config.json, chat_template.jinja and
+    generation_config.json.
+    """
     file = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(file):
         return None
-    from causal_lm.data.tokenizer import HFTokenizer
+    from tokenizers import Tokenizer
+
+    from causal_lm.data.tokenizer import HFTokenizer, TokenizerError
 
     with open(file, encoding="utf-8") as f:
         text = f.read()
-    return HFTokenizer(text, source=file, **_special_ids(path, hf if hf is not None else read_hf_config(path)))
+    hf = hf if hf is not None else read_hf_config(path)
+    try:
+        inner = Tokenizer.from_str(text)
+    except Exception as e:
+        raise TokenizerError(f"{file} is not a valid tokenizers tokenizer.json: {e}") from None
+    return HFTokenizer(text, source=file, **_special_ids(path, hf), **read_tokenizer_settings(path, hf, inner))
 
 
 def hf_tensors_from_model(model) -> dict:
@@ -682,8 +748,15 @@ def _save_tokenizer_json(tokenizer, out_dir: str) -> bool:
         i = getattr(tokenizer, attr, None)
         if i is not None and inner.id_to_token(int(i)) is not None:
             tc[key] = inner.id_to_token(int(i))
+    for key, value in (getattr(tokenizer, "special_tokens", None) or {}).items():
+        tc.setdefault(key, value)
+    if getattr(tokenizer, "add_bos", False):
+        tc["add_bos_token"] = True
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
         json.dump(tc, f, indent=2, ensure_ascii=False)
+    if getattr(tokenizer, "chat_template", None):
+        with open(os.path.join(out_dir, "chat_template.jinja"), "w", encoding="utf-8") as f:
+            f.write(tokenizer.chat_template)
     return True
 
 
