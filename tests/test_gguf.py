@@ -205,7 +205,7 @@ def test_llama_logits_match_transformers_and_its_gguf_loader(llama):
     transformers reading the same file."""
     hf_model, path, model, _ = llama
     c = model.config
-    assert (c.num_heads, c.kv_heads, c.head_size, c.mlp_dim, c.rope_theta, c.tie_embeddings) == (
+    assert (c.num_heads, c.num_kv_heads, c.head_dim, c.mlp_dim, c.rope_theta, c.tie_embeddings) == (
         4,
         2,
         16,
@@ -224,7 +224,7 @@ def test_qwen2_logits_match_transformers(tok, tmp_path):
     hf_model = make_hf_model("qwen2", tok.get_vocab_size())
     path = write_gguf(tmp_path / "tiny-qwen2.gguf", hf_model, tok, arch="qwen2")
     model, _ = load_gguf(path, load_tokenizer=False)
-    assert model.config.qkv_bias and model.config.tie_embeddings and model.config.kv_heads == 1
+    assert model.config.qkv_bias and model.config.tie_embeddings and model.config.num_kv_heads == 1
     tokens = tokens_for(model.config.vocab_size)
     ours = np.asarray(forward(model, tokens)[0])
     np.testing.assert_allclose(ours, hf_logits(hf_model, tokens), atol=TOL, rtol=0)
@@ -588,7 +588,7 @@ def test_real_smollm2_file(tmp_path):
 
     model, tok = load_gguf(SMOLLM2)
     c = model.config
-    assert (c.num_layers, c.d_model, c.num_heads, c.kv_heads, c.mlp_dim, c.vocab_size) == (30, 576, 9, 3, 1536, 49152)
+    assert (c.num_layers, c.d_model, c.num_heads, c.num_kv_heads, c.mlp_dim, c.vocab_size) == (30, 576, 9, 3, 1536, 49152)
     assert c.tie_embeddings and c.rope_theta == 100_000.0 and not tok.add_bos
     assert tok.stop_ids == (2,)  # <|im_end|> is both EOS and the end of turn here
     link = tmp_path / os.path.basename(SMOLLM2)

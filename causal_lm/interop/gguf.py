@@ -267,7 +267,7 @@ def load_gguf_params(reader, config, arch: str) -> dict:
             if w.shape != expected:
                 raise GGUFFormatError(f"tensor {name!r} has shape {list(w.shape)}, expected {list(expected)}")
             if arch in _PERMUTED and (".attn_q." in name or ".attn_k." in name):
-                w = unpermute_qk(w, config.num_heads if ".attn_q." in name else config.kv_heads)
+                w = unpermute_qk(w, config.num_heads if ".attn_q." in name else config.num_kv_heads)
             arrays.append(np.ascontiguousarray(p.to_ours(w, config), dtype=pd))
         value = np.stack(arrays) if p.per_layer else arrays[0]
         d = params
