@@ -237,3 +237,30 @@ def test_cli_runs_an_experiment_end_to_end(ablation, tmp_path, capsys):
     r = _files(out, "mask_ablation.png")
     assert r["no_mask"]["val_loss_with_causal_mask"] > r["causal"]["val_loss"] + 2.0
     assert main(["experiment", "mask-ablation", "--out", out, "model.not_a_key=1"]) == 2
+
+
+def test_kv_memory_measures_what_it_calculates_and_orders_the_layouts(tmp_path):
+    """Tiny settings: 2 training steps per layout, a 128-token context, window 16, no decode timing."""
+    from causal_lm.experiments import kv_memory
+
+    out = str(tmp_path / "kv_memory")
+    config = apply_overrides(
+        kv_memory.default_config(),
+        ["train.steps=2", "train.eval_every=2", "train.checkpoint_every=2", "train.seq_len=32", "model.num_layers=6"],
+    )
+    names = ("MHA", "MQA", "MLA", "local-16", "5:1 mixed")
+    r = kv_memory.run(
+        config, out, context=128, window=16, drift_tokens=4, reps=0, names=names, dtypes=("float32", "int8")
+    )
+    assert _files(out, "kv_memory.png")["experiment"] == "kv-memory"
+    lay = r["layouts"]
+    assert tuple(lay) == names
+    f32 = {n: v["caches"]["float32"]["bytes_per_token_at_context"] for n, v in lay.items()}
+    for name, v in lay.items():
+        for dtype, c in v["caches"].items():
+            assert c["measured_bytes"] == c["calculated_bytes"], (name, dtype)
+        assert v["caches"]["int8"]["bytes_per_token_at_context"] < f32[name]
+        assert 0 < v["caches"]["int8"]["max_logit_diff"] and 0 <= v["caches"]["int8"]["greedy_agreement"] <= 1
+    assert f32["MHA"] > f32["MQA"] and f32["MHA"] > f32["MLA"]
+    assert f32["local-16"] < f32["5:1 mixed"] < f32["MQA"] * 2  # rings of 16 slots against 128 full-length ones
+    assert "measured == calculated: True" in kv_memory.summary(r)

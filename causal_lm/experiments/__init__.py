@@ -15,6 +15,7 @@ EXPERIMENTS = {
     "mask-ablation": "causal_lm.experiments.mask_ablation",
     "mask-placement": "causal_lm.experiments.mask_placement",
     "prefix-cost": "causal_lm.experiments.prefix_cost",
+    "kv-memory": "causal_lm.experiments.kv_memory",
     "nope-position": "causal_lm.experiments.nope_position",
 }
 
