@@ -36,10 +36,24 @@ def test_profile_trace_writes_a_trace_of_the_block(tmp_path):
 @pytest.mark.slow
 def test_profile_steps_traces_exactly_those_training_steps(tmp_path):
     config = load_config(
-        "tiny", ["train.steps=4", "train.profile_steps=2,3", "train.progress=false", "train.sample_tokens=0"]
+        "tiny",
+        [
+            "train.steps=4",
+            "train.log_every=1",
+            "train.profile_steps=2,3",
+            "train.progress=false",
+            "train.sample_tokens=0",
+        ],
     )
-    train_and_evaluate(config, str(tmp_path))
     directory = tmp_path / PROFILE_DIR
+    seen = {}
+
+    def callback(event, step, info):  # the trace is written when step END is done, not when training ends
+        if event == "log":
+            seen[step] = len(trace_files(str(directory)))
+
+    train_and_evaluate(config, str(tmp_path), callback=callback)
+    assert seen[4] == 2, seen
     assert len(trace_files(str(directory))) == 2  # one trace (xplane + Perfetto), started once, stopped once
     steps = sorted(int(e["args"]["step_num"]) for e in _events(str(directory)) if e.get("name") == "train")
     assert steps == [2, 3]  # annotated training steps: the window, nothing before or after it
