@@ -16,7 +16,7 @@ from causal_lm.train.profile import PROFILE_DIR, profile_trace, trace_files
 
 
 def _events(directory) -> list:
-    (perfetto,) = [f for f in trace_files(directory) if f.endswith(".trace.json.gz")]
+    (perfetto,) = [f for f in trace_files(directory) if f.endswith(".trace.json.gz")]  # Chrome-trace JSON
     with gzip.open(perfetto) as f:
         return json.load(f)["traceEvents"]
 
@@ -28,7 +28,9 @@ def test_profile_trace_writes_a_trace_of_the_block(tmp_path):
     with profile_trace(str(tmp_path / "trace")) as directory:
         jax.block_until_ready(f(x))
     files = trace_files(directory)
-    assert [os.path.basename(p).split(".", 1)[1] for p in files] == ["trace.json.gz", "xplane.pb"]
+    names = [os.path.basename(p) for p in files]
+    assert len(names) == 3 and "perfetto_trace.json.gz" in names
+    assert sum(n.endswith(".xplane.pb") for n in names) == 1  # <host>.xplane.pb, beside <host>.trace.json.gz
     assert all(os.path.getsize(p) > 0 for p in files)
     assert any("tanh" in e.get("name", "") or "jit" in e.get("name", "") for e in _events(directory))
 
@@ -53,8 +55,8 @@ def test_profile_steps_traces_exactly_those_training_steps(tmp_path):
             seen[step] = len(trace_files(str(directory)))
 
     train_and_evaluate(config, str(tmp_path), callback=callback)
-    assert seen[4] == 2, seen
-    assert len(trace_files(str(directory))) == 2  # one trace (xplane + Perfetto), started once, stopped once
+    assert seen[4] == 3, seen
+    assert len(trace_files(str(directory))) == 3  # one trace (xplane + 2 JSON), started once, stopped once
     steps = sorted(int(e["args"]["step_num"]) for e in _events(str(directory)) if e.get("name") == "train")
     assert steps == [2, 3]  # annotated training steps: the window, nothing before or after it
     assert read_metrics(str(tmp_path))[-1]["step"] == 4  # training went on after the trace

@@ -1,9 +1,10 @@
 """jax.profiler traces: of a block of code (`profile_trace`, also what a benchmark wraps its timed section in), and
 of chosen training steps (`StepProfiler`, driven by train.profile_steps=START,END).
 
-A trace directory gets what `jax.profiler.start_trace` writes: `plugins/profile/<run>/<host>.xplane.pb`, which
-TensorBoard's profile plugin reads (`pip install tensorboard tensorboard-plugin-profile`, then
-`tensorboard --logdir DIR`), and `<host>.trace.json.gz` beside it, which https://ui.perfetto.dev opens directly.
+A trace directory gets what `jax.profiler.start_trace` writes into `plugins/profile/<run>/`: `<host>.xplane.pb`,
+which TensorBoard's profile plugin reads (`pip install tensorboard tensorboard-plugin-profile`, then
+`tensorboard --logdir DIR`), `<host>.trace.json.gz` (the same events as Chrome-trace JSON) and
+`perfetto_trace.json.gz`, which https://ui.perfetto.dev opens directly.
 Each traced training step is annotated as a step (`jax.profiler.StepTraceAnnotation`), so the trace viewer
 shows step boundaries.
 """
@@ -25,7 +26,7 @@ def profile_trace(directory: str, *, perfetto: bool = True) -> Iterator[str]:
     """Trace everything JAX runs inside the block into `directory` (created if missing); yields the directory.
 
     Work dispatched inside the block but still running when it ends may be cut off: block on the results (e.g.
-    `jax.block_until_ready`) inside the block. perfetto: also write a Perfetto `.trace.json.gz`."""
+    `jax.block_until_ready`) inside the block. perfetto: also write `perfetto_trace.json.gz`."""
     os.makedirs(directory, exist_ok=True)
     jax.profiler.start_trace(directory, create_perfetto_trace=perfetto)
     try:
@@ -35,9 +36,9 @@ def profile_trace(directory: str, *, perfetto: bool = True) -> Iterator[str]:
 
 
 def trace_files(directory: str) -> list[str]:
-    """The trace files under `directory` (xplane protobufs for TensorBoard, Perfetto JSON), sorted."""
+    """The trace files under `directory` (xplane protobufs for TensorBoard, trace JSON for Perfetto), sorted."""
     pattern = os.path.join(directory, "plugins", "profile", "*", "*")
-    return sorted(f for f in glob.glob(pattern) if f.endswith((".xplane.pb", ".trace.json.gz")))
+    return sorted(f for f in glob.glob(pattern) if f.endswith((".xplane.pb", "trace.json.gz")))
 
 
 class StepProfiler:
