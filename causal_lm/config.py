@@ -23,6 +23,8 @@ ATTENTION_IMPLS = ("xla", "dot_product_attention")
 ATTENTION_TYPES = ("mha", "mla")
 LAYER_KINDS = ("global", "local")
 DTYPES = ("float32", "bfloat16", "float16")
+OPTIMIZERS = ("adamw", "muon", "lion", "adafactor")
+OPT_STATE_DTYPES = ("auto", "float32", "bfloat16")
 
 
 class ConfigError(ValueError):
@@ -338,8 +340,16 @@ class TrainConfig:
     compute_dtype: str = "auto"  # "auto": bfloat16 on GPU/TPU, model.dtype on CPU; or a dtype overriding model.dtype
     peak_flops: float = 0.0  # per-device peak FLOP/s for MFU; 0 = known accelerator table, else a measured matmul
     progress: bool = True  # tqdm progress bar on an interactive terminal (log lines otherwise)
+    # ---- optimizer choice, auxiliary loss, profiling (causal_lm/train/state.py, step.py, profile.py) ----------
+    optimizer: str = "adamw"  # "adamw" | "muon" (matrices; AdamW for the rest) | "lion" | "adafactor"
+    muon_momentum: float = 0.95  # Muon's Nesterov momentum (its AdamW part uses beta1/beta2)
+    z_loss: float = 0.0  # coefficient of the auxiliary mean log(Z)^2 term (0 = off), logged as z_loss
+    opt_state_dtype: str = "auto"  # optimizer moments' dtype: "auto" = the parameters' dtype, or float32/bfloat16
+    profile_steps: str = ""  # "START,END": a jax.profiler trace of steps START..END into workdir/profile ("" = off)
 
     def __post_init__(self):
+        if isinstance(self.profile_steps, (tuple, list)):  # accept (10, 12) as well as "10,12"
+            object.__setattr__(self, "profile_steps", ",".join(str(s) for s in self.profile_steps))
         for name in (
             "steps",
             "batch_size",
@@ -369,6 +379,37 @@ class TrainConfig:
             f"train.compute_dtype must be 'auto' or one of {DTYPES}, got {self.compute_dtype!r}",
         )
         _check(self.peak_flops >= 0, f"train.peak_flops must be >= 0, got {self.peak_flops}")
+        _check(self.optimizer in OPTIMIZERS, f"train.optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        _check(0.0 <= self.muon_momentum < 1.0, f"train.muon_momentum must be in [0, 1), got {self.muon_momentum}")
+        _check(self.z_loss >= 0, f"train.z_loss must be >= 0 (0 = off), got {self.z_loss}")
+        _check(
+            self.opt_state_dtype in OPT_STATE_DTYPES,
+            f"train.opt_state_dtype must be one of {OPT_STATE_DTYPES}, got {self.opt_state_dtype!r}",
+        )
+        span = self.profile_range  # parses and checks profile_steps
+        if span is not None:
+            _check(
+                span[1] <= self.steps,
+                f"train.profile_steps={self.profile_steps} ends after the last step (train.steps={self.steps})",
+            )
+
+    @property
+    def profile_range(self) -> tuple[int, int] | None:
+        """(START, END) of train.profile_steps, both 1-based and inclusive; None when profiling is off."""
+        if not str(self.profile_steps).strip():
+            return None
+        parts = str(self.profile_steps).split(",")
+        try:
+            start, end = (int(p) for p in parts)
+        except ValueError:
+            raise ConfigError(
+                f"train.profile_steps must be 'START,END' (two step numbers, e.g. 10,12), got {self.profile_steps!r}"
+            ) from None
+        _check(
+            1 <= start <= end,
+            f"train.profile_steps={self.profile_steps}: need 1 <= START <= END (steps count from 1)",
+        )
+        return start, end
 
 
 @dataclasses.dataclass(frozen=True)

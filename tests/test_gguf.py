@@ -588,7 +588,14 @@ def test_real_smollm2_file(tmp_path):
 
     model, tok = load_gguf(SMOLLM2)
     c = model.config
-    assert (c.num_layers, c.d_model, c.num_heads, c.num_kv_heads, c.mlp_dim, c.vocab_size) == (30, 576, 9, 3, 1536, 49152)
+    assert (c.num_layers, c.d_model, c.num_heads, c.num_kv_heads, c.mlp_dim, c.vocab_size) == (
+        30,
+        576,
+        9,
+        3,
+        1536,
+        49152,
+    )
     assert c.tie_embeddings and c.rope_theta == 100_000.0 and not tok.add_bos
     assert tok.stop_ids == (2,)  # <|im_end|> is both EOS and the end of turn here
     link = tmp_path / os.path.basename(SMOLLM2)

@@ -27,7 +27,7 @@ from causal_lm.config import Config
 from causal_lm.model import build_model
 from causal_lm.train.metrics import train_flops_per_token
 from causal_lm.train.state import hyperparams, init_params, init_train_state, make_optimizer, split_params
-from causal_lm.train.step import build_train_step
+from causal_lm.train.step import build_train_step, train_step_key
 
 
 def _train_inputs(config: Config, seed: int = 0):
@@ -51,7 +51,7 @@ def _compile_train_step(config: Config, graphdef, state, rest, batch):
     t = config.train
     # A new jitted function, never one compiled earlier in this process (the training loop's cached one would hand
     # back its compiled program, and the compile time would read 0).
-    jitted = build_train_step(config.model, t.microbatches, t.grad_clip > 0, graphdef)
+    jitted = build_train_step(*train_step_key(config.model, t, graphdef))
     t0 = time.perf_counter()
     compiled = jitted.lower(state, rest, batch, hyperparams(t)).compile()
     return compiled, time.perf_counter() - t0

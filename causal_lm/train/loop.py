@@ -34,7 +34,9 @@ from causal_lm.data.tokenizer import tokenizer_from_dict
 from causal_lm.train.checkpoint import CHECKPOINT_DIR, Checkpointer, check_model_config, write_workdir_files
 from causal_lm.train.evaluate import evaluate_split, sample_text
 from causal_lm.train.metrics import MetricsWriter, peak_flops, train_flops_per_token
+from causal_lm.train.profile import PROFILE_DIR, StepProfiler
 from causal_lm.train.state import (
+    check_optimizer_resume,
     init_params,
     init_sharded_train_state,
     init_train_state,
@@ -151,6 +153,8 @@ def train_and_evaluate(
     requested_vocab = config.model.vocab_size
     config = resolve_config(config, data.tokenizer)
     notes = check_model_config(meta, config, latest, workdir) if meta is not None else []
+    if meta is not None and meta.get("has_train_state"):  # the saved optimizer state must fit this optimizer
+        check_optimizer_resume(meta["config"].get("train", {}), config.train, f"checkpoint {latest} in {workdir}")
     if meta is not None and meta.get("has_train_state") and meta.get("data_state") is not None:
         data.train.restore(meta["data_state"])  # the data position: the next batch is the one step latest+1 saw
     t, m = config.train, config.model
@@ -240,6 +244,7 @@ def _train(
 
     writer = MetricsWriter(workdir, start) if main else _NoWriter()
     step_fn = compiled_train_step(m, t, graphdef, mesh)
+    profiler = StepProfiler(t.profile_range, os.path.join(workdir, PROFILE_DIR))
     is_log = _log_steps(t)
     tokens_per_step = t.batch_size * t.seq_len
     pending: list = []
@@ -252,7 +257,7 @@ def _train(
             batch = next(data.train)
             if mesh is not None:
                 batch = parallel.shard_local_batch(batch, mesh, t.batch_size)
-            state, metrics = step_fn(state, rest, batch)
+            state, metrics = profiler.run(step, step_fn, state, rest, batch)
             pending.append(metrics)
             interval_steps += 1
             console.step()
@@ -289,6 +294,8 @@ def _train(
                 "lr": float(host[-1]["lr"]),
                 "tokens": step * tokens_per_step,
             }
+            if "z_loss" in host[-1]:  # train.z_loss > 0: the auxiliary term, apart from the cross entropy
+                record["z_loss"] = float(np.mean([h["z_loss"] for h in host]))
             if interval_steps:
                 tps = interval_steps * tokens_per_step / max(elapsed, 1e-9)
                 peak, _ = peak_flops(m.dtype) if not t.peak_flops else (t.peak_flops, "")
@@ -347,6 +354,7 @@ def _train(
                     callback("checkpoint", step, {"wait": ckpt.wait})
             interval_t0, interval_steps = time.perf_counter(), 0
     finally:
+        profiler.close()
         console.close()
         writer.close()
     if start >= t.steps:

@@ -53,17 +53,42 @@ def train_flops_per_token(model_config: ModelConfig, params, seq_len: int) -> fl
     return 3.0 * forward_flops_per_token(model_config, params, seq_len)
 
 
-# Dense peak FLOP/s per chip for the compute dtypes used here (vendor datasheets).
-_PEAK = {  # device_kind substring -> {dtype: FLOP/s}
-    "H200": {"bfloat16": 989e12, "float32": 67e12},
-    "H100": {"bfloat16": 989e12, "float32": 67e12},
-    "A100": {"bfloat16": 312e12, "float32": 19.5e12},
-    "TPU v4": {"bfloat16": 275e12},
-    "TPU v5 lite": {"bfloat16": 197e12},
-    "TPU v5e": {"bfloat16": 197e12},
-    "TPU v5p": {"bfloat16": 459e12},
-    "TPU v6": {"bfloat16": 918e12},
+# Catalogued per-chip figures: dense (no 2:4 sparsity) peak FLOP/s for the compute dtypes used here and HBM
+# bandwidth in bytes/s. Matched by substring of jax's device_kind, FIRST match wins, so a variant comes before its
+# family name ("H100 PCIe" before "H100", "GH200" before "H200"). Sources: NVIDIA's product datasheets
+# (A100: "NVIDIA A100 Tensor Core GPU" datasheet; H100 SXM/PCIe/NVL: "NVIDIA H100 Tensor Core GPU" datasheet;
+# H200 SXM/NVL: "NVIDIA H200 Tensor Core GPU" datasheet; GH200: "NVIDIA GH200 Grace Hopper Superchip" datasheet,
+# 96 GB HBM3 version; B200: the HGX B200 specification, 8-GPU totals / 8 at 1,000 W, whose sparse BF16 figure
+# 4.5 PFLOPS is halved) and Google Cloud's TPU system-architecture pages (v4, v5e, v5p, v6e) — the datasheets
+# quote sparse tensor FLOP/s for NVIDIA parts; the dense figure is half of it.
+DATASHEET = {  # device_kind substring -> {"bfloat16" / "float32": FLOP/s, "hbm": bytes/s}
+    "H100 PCIe": {"bfloat16": 756e12, "float32": 51e12, "hbm": 2.0e12},
+    "H100 NVL": {"bfloat16": 835e12, "float32": 60e12, "hbm": 3.9e12},
+    "H100": {"bfloat16": 989e12, "float32": 67e12, "hbm": 3.35e12},  # SXM5 80 GB HBM3
+    "GH200": {"bfloat16": 989e12, "float32": 67e12, "hbm": 4.0e12},
+    "H200 NVL": {"bfloat16": 835e12, "float32": 60e12, "hbm": 4.8e12},
+    "H200": {"bfloat16": 989e12, "float32": 67e12, "hbm": 4.8e12},  # SXM5 141 GB HBM3e
+    "GB200": {"bfloat16": 2.5e15, "float32": 90e12, "hbm": 8.0e12},  # at 1,200 W
+    "B200": {"bfloat16": 2.25e15, "float32": 80e12, "hbm": 8.0e12},  # HGX B200
+    "A100": {"bfloat16": 312e12, "float32": 19.5e12, "hbm": 2.039e12},  # SXM4 80 GB (40 GB: 1.555e12)
+    "TPU v4": {"bfloat16": 275e12, "hbm": 1.2e12},
+    "TPU v5 lite": {"bfloat16": 197e12, "hbm": 819e9},  # v5e
+    "TPU v5e": {"bfloat16": 197e12, "hbm": 819e9},
+    "TPU v5p": {"bfloat16": 459e12, "hbm": 2.765e12},
+    "TPU v6": {"bfloat16": 918e12, "hbm": 1.64e12},  # v6e (Trillium), device_kind "TPU v6 lite"
+    "TPU v5": {"bfloat16": 459e12, "hbm": 2.765e12},  # v5p when its device_kind reads "TPU v5"
 }
+
+
+def datasheet(device_kind: str) -> tuple[str, dict] | None:
+    """(matched table key, figures) for a jax `device_kind` (e.g. "NVIDIA H200", "TPU v5 lite"), or None for a
+    device with no catalogued figures (CPUs, unknown accelerators). No JAX import: usable for a device that this
+    process does not hold (a benchmark's JSON, say)."""
+    kind = device_kind.lower()
+    for key, figures in DATASHEET.items():
+        if key.lower() in kind:
+            return key, figures
+    return None
 
 
 @functools.lru_cache(maxsize=4)
@@ -74,9 +99,9 @@ def peak_flops(dtype: str = "float32") -> tuple[float, str]:
     import jax.numpy as jnp
 
     dev = jax.devices()[0]
-    for key, table in _PEAK.items():
-        if key.lower() in dev.device_kind.lower() and dtype in table:
-            return table[dtype], f"datasheet {dev.device_kind}"
+    found = datasheet(dev.device_kind)
+    if found is not None and dtype in found[1]:
+        return found[1][dtype], f"datasheet {dev.device_kind}"
     n = 1024 if dev.platform == "cpu" else 8192
     a = jnp.ones((n, n), dtype)
     f = jax.jit(lambda x: x @ x)
