@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 
+from causal_lm.config import ConfigError, load_config
 from causal_lm.train.metrics import datasheet
 
 # Targets of issue 17, reported as met or not.
@@ -205,7 +206,6 @@ def summarize_decode(result: dict) -> dict:
 
 def run(args, platform: str) -> dict:
     """Run the parts for `platform` ('gpu', 'tpu' or 'cpu') and return the summary."""
-    from causal_lm.config import load_config
 
     accel = platform != "cpu"
     d = dict(DEFAULTS["accelerator" if accel else "cpu"])
@@ -337,7 +337,6 @@ def main(argv=None) -> int:
         parser.error(f"--skip takes tests, train, decode; got {', '.join(sorted(bad))}")
     if args.batches is not None and not re.fullmatch(r"\d+(,\d+)*", args.batches):
         parser.error(f"--batches must be comma-separated integers, got {args.batches!r}")
-    from causal_lm.config import ConfigError
 
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)  # fails now, not after the run
     platform = detect_platform() if args.platform == "auto" else args.platform

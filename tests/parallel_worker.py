@@ -137,6 +137,12 @@ def case_generate(out: dict) -> None:
         sharded = nnx.merge(graphdef, parallel.shard_tree(state, parallel.tree_shardings(state, mesh)))
         got = generate(sharded, prompts, max_new_tokens=6).tokens
         out[f"generate/{kind}/{shape}"] = {"ref": ref, "got": got, "wk_spec": spec(sharded.blocks.attn.wk[...])}
+        if kind == "gqa":  # speculative decoding on the mesh: the sharded model as its own draft, and prompt lookup
+            out["generate/speculative"] = {
+                "ref": ref,
+                "self": generate(sharded, prompts, max_new_tokens=6, speculative=sharded, draft_tokens=3).tokens,
+                "ngram": generate(sharded, prompts, max_new_tokens=6, speculative="ngram", draft_tokens=3).tokens,
+            }
 
 
 def case_checkpoint(out: dict, kept: dict, workdir: str) -> None:

@@ -44,12 +44,29 @@ def test_bench_train_keys_and_sanity():
 
 def test_bench_decode_keys_and_sanity():
     r = bench.bench_decode(
-        TINY, contexts=(8,), batches=(2,), new_tokens=2, recompute_new_tokens=1, reps=1, ceilings=CEILINGS
+        TINY,
+        contexts=(8,),
+        batches=(2,),
+        new_tokens=2,
+        recompute_new_tokens=1,
+        reps=1,
+        ceilings=CEILINGS,
+        cache_dtypes=("int8",),
+        speculative="ngram",
+        compare_loops=False,
     )
     json.dumps(r)
     assert set(r) >= {"machine", "jax_version", "rows"}
-    assert [(w["context"], w["batch"]) for w in r["rows"]] == [(8, 2)]
-    for w in r["rows"]:
+    assert [(w["context"], w["batch"], w["cache_dtype"]) for w in r["rows"]] == [(8, 2, "float32"), (8, 2, "int8")]
+    int8 = r["rows"][1]  # ours only: the peer has no int8 cache; recompute does not depend on the cache's storage
+    assert _positive(int8["cached_tokens_per_s"]) and _positive(int8["prefill_tokens_per_s"])
+    assert int8["recompute_tokens_per_s"] is None and int8["peer_cached_tokens_per_s"] is None
+    assert int8["bytes_per_token"] < r["rows"][0]["bytes_per_token"]  # a quarter of the K/V bytes, plus scales
+    spec = r["speculative"]
+    assert spec["draft"] == "ngram" and [w["prompt"] for w in spec["rows"]] == ["code", "prose"]
+    for w in spec["rows"]:
+        assert w["same_tokens_as_plain"] and 0 < w["target_passes_per_token"] <= 1 and 0 <= w["acceptance"] <= 1
+    for w in r["rows"][:1]:
         assert set(w) >= {
             "context",
             "batch",
@@ -63,14 +80,28 @@ def test_bench_decode_keys_and_sanity():
             _positive(w[k])
             for k in ("cached_tokens_per_s", "recompute_tokens_per_s", "bandwidth_floor_fraction", "bytes_per_token")
         )
+        assert _positive(w["prefill_tokens_per_s"])
         if r["peer_status"] == "ok":
             assert _positive(w["peer_cached_tokens_per_s"]) and _positive(w["cached_ratio_vs_peer"])
+            assert _positive(w["peer_prefill_tokens_per_s"]) and _positive(w["prefill_ratio_vs_peer"])
         else:
             assert w["peer_cached_tokens_per_s"] is None
     # bytes per generated token: all weights once per step, shared by the batch, plus each row's K/V
     w = r["rows"][0]
     assert w["bytes_per_token"] == pytest.approx(r["weight_bytes"] / 2 + r["kv_bytes_per_token"] * (8 + 1 + 2 / 2))
-    assert "cached" in bench.format_decode(r)
+    text = bench.format_decode(r)
+    assert "cached" in text and "speculative decoding (ngram drafts" in text
+
+
+def test_a_model_the_peer_cannot_mirror_is_benchmarked_on_our_side_and_marked():
+    """small has rope_fraction=0.5, which LlamaForCausalLM cannot express: our row runs, the peer's says why."""
+    if bench.peer_status() != "ok":
+        pytest.skip("needs torch and transformers (the interop extra)")
+    config = Config(model=TINY.model.replace(rope_fraction=0.5), train=TINY.train)
+    r = bench.bench_train(config, steps=1, warmup=1, compile_layers=(), ceilings=CEILINGS)
+    assert r["peer"] is None and r["peer_status"].startswith("not comparable") and "rope_fraction" in r["peer_status"]
+    assert _positive(r["ours"]["tokens_per_s"])
+    assert "peer: not comparable" in bench.format_train(r)
 
 
 def test_decode_bytes_per_token():
@@ -79,6 +110,9 @@ def test_decode_bytes_per_token():
     assert kv == 2 * 2 * 32 * 4  # layers x (K and V) x d_model x float32
     assert bench.decode_bytes_per_token(m, 1000, 10, 1) == 1000 + 10 * kv
     assert bench.decode_bytes_per_token(m, 1000, 10, 4) == 1000 / 4 + 10 * kv
+    # a local layer reads only its ring of `window` slots, however long the context
+    local = m.replace(sliding_window=4)
+    assert bench.decode_bytes_per_token(local, 1000, 64, 1) == bench.decode_bytes_per_token(local, 1000, 4, 1)
 
 
 def test_cli_bench_json_without_peer(capsys, monkeypatch):

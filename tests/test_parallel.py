@@ -339,6 +339,7 @@ MESH_TESTS = {
     "test_train_step_on_a_mesh_equals_one_device",
     "test_sharded_initialisation_equals_one_device",
     "test_generation_on_a_mesh_gives_the_same_tokens",
+    "test_speculative_decoding_on_a_mesh_gives_the_same_tokens",
     "test_checkpoint_saved_on_4x2_restores_onto_another_mesh",
     "test_training_loop_resumes_onto_a_different_mesh",
 }
@@ -459,6 +460,12 @@ def test_generation_on_a_mesh_gives_the_same_tokens(mesh_results, case):
     assert r["got"] == r["ref"]
     assert len({tuple(row) for row in r["ref"]}) > 1  # not a degenerate model
     assert r["wk_spec"] == (str(P(None, "fsdp", "tensor")) if case.startswith("gqa") else str(P()))
+
+
+@pytest.mark.slow
+def test_speculative_decoding_on_a_mesh_gives_the_same_tokens(mesh_results):
+    r = mesh_results["generate/speculative"]
+    assert r["self"] == r["ref"] and r["ngram"] == r["ref"]
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@ peer's `generate`, and against the bandwidth floor (weights and K/V read once pe
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -23,11 +24,13 @@ from causal_lm.bench.common import (
     settle,
     timed,
 )
-from causal_lm.bench.peer import build_peer, check_peer_shape, peer_runner
+from causal_lm.bench.peer import build_peer, peer_forward, peer_mismatch, peer_runner
 from causal_lm.config import Config, ModelConfig
 from causal_lm.decode import generate
 from causal_lm.interop.hf import model_from_params
-from causal_lm.model.kv_cache import init_cache
+from causal_lm.model.kv_cache import CACHE_DTYPES, cache_bytes, init_cache
+from causal_lm.train import load_for_inference
+from causal_lm.train.profile import profile_trace
 from causal_lm.train.state import init_params
 
 DEFAULT_CONTEXTS = (128, 512, 1024, 2048)
@@ -53,13 +56,18 @@ def _decode_seconds(run: Callable[[int], None], n: int, reps: int) -> float:
     return max(t_all - t_one, 1e-9)
 
 
-def _ours_runner(model, prompts: np.ndarray, use_cache: bool):
+def _ours_runner(model, prompts: np.ndarray, use_cache: bool, **kw):
     rows = prompts.tolist()
 
-    def run(k: int):
-        generate(model, rows, max_new_tokens=k, use_cache=use_cache)  # returns host tokens: waits for the device
+    def run(k: int):  # returns host tokens: waits for the device
+        return generate(model, rows, max_new_tokens=k, use_cache=use_cache, **kw)
 
     return run
+
+
+def _best(fn, reps: int) -> float:
+    fn()
+    return min(timed(fn) for _ in range(max(1, reps)))
 
 
 def decode_loop_comparison(model, context: int, batch: int = 1, n: int = 64, reps: int = 2) -> dict:
@@ -113,11 +121,65 @@ def decode_loop_comparison(model, context: int, batch: int = 1, n: int = 64, rep
     }
 
 
-def decode_bytes_per_token(m: ModelConfig, weight_bytes: int, context: float, batch: int) -> float:
+def decode_bytes_per_token(
+    m: ModelConfig, weight_bytes: int, context: float, batch: int, cache_dtype: str | None = None
+) -> float:
     """Bytes a decode step must read per generated token: every weight once per step (shared by the batch) plus
-    each row's cached K/V for `context` tokens."""
-    kv = m.kv_bytes_per_token(jnp.dtype(m.dtype).itemsize)
-    return (weight_bytes + batch * context * kv) / batch
+    each row's cached K/V for `context` tokens, as the cache stores them (local layers: their ring; int8: the
+    scales too)."""
+    kv = cache_bytes(m, max(1, int(round(context))), dtype=cache_dtype or m.dtype)["kv_bytes"]
+    return (weight_bytes + batch * kv) / batch
+
+
+# Prompts for the speculative rows: one whose continuation repeats what came before (code with repeated
+# structure: drafts can hit), one of plain prose (they mostly cannot).
+SPECULATIVE_PROMPTS = {
+    "code": (
+        "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):\n"
+        "    return a * b\n\n\ndef div(a, b):\n    return a / b\n\n\ndef mod(a, b):\n"
+    ),
+    "prose": (
+        "The interpreter reads a program, turns it into a sequence of instructions and carries them out one by one, "
+        "keeping track of the names it has seen and the values they refer to. When "
+    ),
+}
+
+
+def _prompt_ids(text: str, tokenizer, vocab_size: int) -> list:
+    if tokenizer is not None:
+        return tokenizer.encode(text)
+    ids = list(text.encode("utf-8"))  # a byte-level vocabulary without a tokenizer: the bytes are the ids
+    return [i % vocab_size for i in ids]
+
+
+def speculative_rows(model, tokenizer, speculative, draft_tokens: int, n: int, reps: int) -> list:
+    """Plain cached decoding against speculative decoding on the same prompts (batch 1): tokens/s of each,
+    target passes per generated token, the share of proposals accepted, the speed-up."""
+    rows = []
+    for kind, text in SPECULATIVE_PROMPTS.items():
+        ids = _prompt_ids(text, tokenizer, model.config.vocab_size)
+        ids = np.asarray([ids[-(model.config.max_seq_len - n - 2) :]])  # the end of it, if the model is short
+        plain = _ours_runner(model, ids, True)
+        spec = _ours_runner(model, ids, True, speculative=speculative, draft_tokens=draft_tokens)
+        t_plain = _decode_seconds(plain, n, reps)
+        t_spec = _decode_seconds(spec, n, reps)
+        res = spec(1 + n)
+        same = res.tokens == plain(1 + n).tokens
+        rows.append(
+            {
+                "prompt": kind,
+                "prompt_tokens": int(ids.shape[1]),
+                "new_tokens": n,
+                "plain_tokens_per_s": n / t_plain,
+                "speculative_tokens_per_s": n / t_spec,
+                "speedup": t_plain / t_spec,
+                "target_passes_per_token": res.target_passes / (1 + n),
+                "acceptance": res.draft_accepted / max(1, res.draft_proposed),
+                "draft_proposed": res.draft_proposed,
+                "same_tokens_as_plain": same,
+            }
+        )
+    return rows
 
 
 def bench_decode(
@@ -132,17 +194,34 @@ def bench_decode(
     quick: bool = False,
     ceilings: dict | None = None,
     compare_loops: bool = True,
+    cache_dtypes: Sequence[str] = (),
+    workdir: str | None = None,
+    speculative=None,
+    draft_tokens: int = 4,
+    profile: str | None = None,
 ) -> dict:
     """Decode throughput of `generate` with and without the KV cache, per (context, batch), and of the peer.
 
     new_tokens (cached) and recompute_new_tokens are the decode steps timed after the prompt (a recompute step
-    costs a whole forward pass over the context, so it gets fewer). Returns the JSON object of
-    `causal-lm bench decode --json`: machine, jax_version and rows [{context, batch, cached_tokens_per_s,
-    recompute_tokens_per_s, bandwidth_floor_fraction, peer_cached_tokens_per_s, peer_recompute_tokens_per_s,
-    ...}], and decode_loop: `decode_loop_comparison` at context 512 (or the first), batch 1.
+    costs a whole forward pass over the context, so it gets fewer). cache_dtypes: more rows with the cache stored
+    in these types (ours only). workdir: time a trained model (and its tokenizer) instead of a random-init one of
+    `config`'s shape. speculative: "ngram" or a draft model (or a workdir to load one from): rows comparing plain
+    and speculative decoding on a prompt where drafts can hit and one where they mostly cannot. profile: write a
+    jax.profiler trace of the timed generation calls into this directory.
+
+    Returns the JSON object of `causal-lm bench decode --json`: machine, jax_version, rows [{context, batch,
+    cache_dtype, cached_tokens_per_s, recompute_tokens_per_s, prefill_tokens_per_s, bandwidth_floor_fraction,
+    peer_cached_tokens_per_s, peer_recompute_tokens_per_s, peer_prefill_tokens_per_s, ...}], speculative rows,
+    and decode_loop: `decode_loop_comparison` at context 512 (or the first), batch 1.
     """
     env = environment()  # before any work: the load average then is other processes', not this run's
-    m = config.model
+    tokenizer = None
+    if workdir is not None:
+        model, tokenizer, trained = load_for_inference(workdir)
+        m = trained.model
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    else:
+        m = config.model
     if quick:
         contexts, batches = tuple(c for c in contexts if c <= 512) or tuple(contexts)[:1], tuple(batches)[:1]
     n = new_tokens if new_tokens is not None else (8 if quick else 128)
@@ -154,43 +233,51 @@ def bench_decode(
             f"context {max(contexts)} + {1 + max(n, n_re)} new tokens exceeds model.max_seq_len="
             f"{m.max_seq_len}; raise it (e.g. model.max_seq_len={longest})"
         )
+    for d in cache_dtypes:
+        if d not in CACHE_DTYPES:
+            raise ValueError(f"--cache-dtypes: {d!r} is not one of {tuple(CACHE_DTYPES)}")
+    if isinstance(speculative, str) and speculative != "ngram":
+        speculative = load_for_inference(speculative)[0]  # a draft model's workdir
     status = peer_status() if peer else "skipped"
     if status == "ok":
-        check_peer_shape(m)
-        from transformers.utils import logging as hf_logging  # optional dependency
+        why = peer_mismatch(m)
+        if why:
+            status = f"not comparable ({why})"
+        else:
+            from transformers.utils import logging as hf_logging  # optional dependency
 
-        hf_logging.set_verbosity_error()
+            hf_logging.set_verbosity_error()
     machine = ceilings or machine_ceilings(quick=quick)
-    _, params, _ = init_params(m, config.train.seed)
-    model = model_from_params(m, params)
+    if workdir is None:
+        _, params, _ = init_params(m, config.train.seed)
+        model = model_from_params(m, params)
     weight_bytes = int(sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
     peer_model = build_peer(m, params).eval() if status == "ok" else None
     rng = np.random.default_rng(0)
     rows = []
-    for context in contexts:
-        for batch in batches:
-            prompts = rng.integers(0, m.vocab_size, (batch, context), dtype=np.int64)
-            row = {"context": context, "batch": batch, "new_tokens": n, "recompute_new_tokens": n_re}
-            row["cached_tokens_per_s"] = batch * n / _decode_seconds(_ours_runner(model, prompts, True), n, reps)
-            row["recompute_tokens_per_s"] = (
-                batch * n_re / _decode_seconds(_ours_runner(model, prompts, False), n_re, reps)
-            )
-            row["cache_speedup"] = row["cached_tokens_per_s"] / row["recompute_tokens_per_s"]
-            bpt = decode_bytes_per_token(m, weight_bytes, context + 1 + n / 2, batch)
-            row["bytes_per_token"] = bpt
-            row["bandwidth_floor_tokens_per_s"] = machine["mem_bw_bytes_per_s"] / bpt
-            row["bandwidth_floor_fraction"] = row["cached_tokens_per_s"] / row["bandwidth_floor_tokens_per_s"]
-            row["peer_cached_tokens_per_s"] = row["peer_recompute_tokens_per_s"] = None
-            if peer_model is not None:
-                row["peer_cached_tokens_per_s"] = (
-                    batch * n / _decode_seconds(peer_runner(peer_model, prompts, True), n, reps)
-                )
-                row["peer_recompute_tokens_per_s"] = (
-                    batch * n_re / _decode_seconds(peer_runner(peer_model, prompts, False), n_re, reps)
-                )
-            row["cached_ratio_vs_peer"] = ratio(row["cached_tokens_per_s"], row["peer_cached_tokens_per_s"])
-            row["recompute_ratio_vs_peer"] = ratio(row["recompute_tokens_per_s"], row["peer_recompute_tokens_per_s"])
-            rows.append(row)
+    trace = profile_trace(profile) if profile else contextlib.nullcontext()
+    with trace:
+        for context in contexts:
+            for batch in batches:
+                prompts = rng.integers(0, m.vocab_size, (batch, context), dtype=np.int64)
+                for cache_dtype in (None, *cache_dtypes):
+                    rows.append(
+                        _decode_row(
+                            model,
+                            m,
+                            peer_model if cache_dtype is None else None,
+                            prompts,
+                            n,
+                            n_re,
+                            reps,
+                            weight_bytes,
+                            machine,
+                            cache_dtype,
+                        )
+                    )
+        spec = []
+        if speculative is not None:
+            spec = speculative_rows(model, tokenizer, speculative, draft_tokens, n, reps)
     loop = None
     if compare_loops:
         loop = decode_loop_comparison(model, 512 if 512 in contexts else contexts[0], 1, n=min(n, 64), reps=reps)
@@ -200,12 +287,54 @@ def bench_decode(
         "jax_version": jax.__version__,
         "environment": env,
         "model": model_summary(m),
+        "workdir": workdir,
         "weight_bytes": weight_bytes,
         "kv_bytes_per_token": m.kv_bytes_per_token(jnp.dtype(m.dtype).itemsize),
         "peer_status": status,
         "rows": rows,
+        "speculative": {
+            "draft": "ngram" if speculative == "ngram" else "model",
+            "draft_tokens": draft_tokens,
+            "rows": spec,
+        }
+        if speculative is not None
+        else None,
         "decode_loop": loop,
+        "profile": profile,
     }
+
+
+def _decode_row(model, m, peer_model, prompts, n, n_re, reps, weight_bytes, machine, cache_dtype) -> dict:
+    batch, context = prompts.shape
+    row = {
+        "context": context,
+        "batch": batch,
+        "cache_dtype": cache_dtype or m.dtype,
+        "new_tokens": n,
+        "recompute_new_tokens": n_re,
+    }
+    cached = _ours_runner(model, prompts, True, cache_dtype=cache_dtype)
+    row["cached_tokens_per_s"] = batch * n / _decode_seconds(cached, n, reps)
+    row["prefill_tokens_per_s"] = batch * context / _best(lambda: cached(1), reps)
+    row["recompute_tokens_per_s"] = None
+    if cache_dtype is None:  # recomputing is independent of how a cache would store K/V
+        row["recompute_tokens_per_s"] = batch * n_re / _decode_seconds(_ours_runner(model, prompts, False), n_re, reps)
+    row["cache_speedup"] = ratio(row["cached_tokens_per_s"], row["recompute_tokens_per_s"])
+    bpt = decode_bytes_per_token(m, weight_bytes, context + 1 + n / 2, batch, cache_dtype)
+    row["bytes_per_token"] = bpt
+    row["bandwidth_floor_tokens_per_s"] = machine["mem_bw_bytes_per_s"] / bpt
+    row["bandwidth_floor_fraction"] = row["cached_tokens_per_s"] / row["bandwidth_floor_tokens_per_s"]
+    row["peer_cached_tokens_per_s"] = row["peer_recompute_tokens_per_s"] = row["peer_prefill_tokens_per_s"] = None
+    if peer_model is not None:
+        row["peer_cached_tokens_per_s"] = batch * n / _decode_seconds(peer_runner(peer_model, prompts, True), n, reps)
+        row["peer_recompute_tokens_per_s"] = (
+            batch * n_re / _decode_seconds(peer_runner(peer_model, prompts, False), n_re, reps)
+        )
+        row["peer_prefill_tokens_per_s"] = batch * context / _best(peer_forward(peer_model, prompts), reps)
+    row["cached_ratio_vs_peer"] = ratio(row["cached_tokens_per_s"], row["peer_cached_tokens_per_s"])
+    row["recompute_ratio_vs_peer"] = ratio(row["recompute_tokens_per_s"], row["peer_recompute_tokens_per_s"])
+    row["prefill_ratio_vs_peer"] = ratio(row["prefill_tokens_per_s"], row["peer_prefill_tokens_per_s"])
+    return row
 
 
 # ---- tables -------------------------------------------------------------------------------------------------
@@ -214,25 +343,44 @@ def bench_decode(
 def format_decode(r: dict) -> str:
     """The decode result as a text table (what `causal-lm bench decode` prints)."""
     m = r["model"]
+    peer = r["peer_status"] if r["peer_status"] != "ok" else "transformers generate"
     lines = header(r) + [
         f"model: {m['num_layers']} layers, d_model {m['d_model']}, {m['attention']}, {m['dtype']}; weights "
         f"{r['weight_bytes'] / 2**20:,.1f} MiB, K/V {r['kv_bytes_per_token'] / 1024:,.1f} KiB per token; "
-        f"peer: {r['peer_status'] if r['peer_status'] != 'ok' else 'transformers generate'}",
-        "tokens/s of generated tokens after the prompt (prefill excluded); floor = bandwidth floor",
+        f"peer: {peer}",
+        "tokens/s of generated tokens after the prompt (prefill excluded); floor = bandwidth floor; "
+        "prefill = prompt tokens/s of the first call's prompt pass",
         "",
-        f"{'context':>7s} {'batch':>5s} {'cached':>9s} {'recompute':>10s} {'cache x':>8s} {'MB/token':>9s} "
-        f"{'floor %':>8s} {'peer cached':>12s} {'peer recomp':>12s} {'cached/peer':>12s} {'recomp/peer':>12s}",
+        f"{'context':>7s} {'batch':>5s} {'cache':>8s} {'cached':>9s} {'recompute':>10s} {'cache x':>8s} "
+        f"{'MB/token':>9s} {'floor %':>8s} {'prefill':>9s} {'peer cached':>12s} {'peer recomp':>12s} "
+        f"{'peer prefill':>13s} {'cached/peer':>12s} {'recomp/peer':>12s} {'prefill/peer':>13s}",
     ]
+    miss = "-" if r["peer_status"] == "ok" else "n/a"
     for w in r["rows"]:
-        miss = "-" if r["peer_status"] == "ok" else r["peer_status"]
         lines.append(
-            f"{w['context']:>7d} {w['batch']:>5d} {w['cached_tokens_per_s']:>9,.1f} "
-            f"{w['recompute_tokens_per_s']:>10,.1f} {w['cache_speedup']:>7,.1f}x {w['bytes_per_token'] / 1e6:>9.2f} "
-            f"{w['bandwidth_floor_fraction'] * 100:>7.0f}% {fmt(w['peer_cached_tokens_per_s'], ',.1f', miss):>12s} "
+            f"{w['context']:>7d} {w['batch']:>5d} {w['cache_dtype']:>8s} {w['cached_tokens_per_s']:>9,.1f} "
+            f"{fmt(w['recompute_tokens_per_s'], ',.1f'):>10s} {fmt(w['cache_speedup'], ',.1f'):>7s}x "
+            f"{w['bytes_per_token'] / 1e6:>9.2f} {w['bandwidth_floor_fraction'] * 100:>7.0f}% "
+            f"{w['prefill_tokens_per_s']:>9,.0f} {fmt(w['peer_cached_tokens_per_s'], ',.1f', miss):>12s} "
             f"{fmt(w['peer_recompute_tokens_per_s'], ',.1f', miss):>12s} "
+            f"{fmt(w['peer_prefill_tokens_per_s'], ',.0f', miss):>13s} "
             f"{fmt(w['cached_ratio_vs_peer'], '.2f', miss):>12s} "
-            f"{fmt(w['recompute_ratio_vs_peer'], '.2f', miss):>12s}"
+            f"{fmt(w['recompute_ratio_vs_peer'], '.2f', miss):>12s} {fmt(w['prefill_ratio_vs_peer'], '.2f', miss):>13s}"
         )
+    sp = r.get("speculative")
+    if sp:
+        lines += [
+            "",
+            f"speculative decoding ({sp['draft']} drafts, up to {sp['draft_tokens']} per pass), batch 1, greedy:",
+            f"{'prompt':>7s} {'plain tok/s':>12s} {'spec tok/s':>11s} {'speed-up':>9s} {'passes/token':>13s} "
+            f"{'accepted':>9s} {'same tokens':>12s}",
+        ]
+        for w in sp["rows"]:
+            lines.append(
+                f"{w['prompt']:>7s} {w['plain_tokens_per_s']:>12,.1f} {w['speculative_tokens_per_s']:>11,.1f} "
+                f"{w['speedup']:>8.2f}x {w['target_passes_per_token']:>13.2f} {w['acceptance'] * 100:>8.0f}% "
+                f"{str(w['same_tokens_as_plain']):>12s}"
+            )
     lp = r.get("decode_loop")
     if lp:
         lines += [

@@ -13,9 +13,14 @@ from causal_lm.config import Config, ModelConfig
 from causal_lm.interop.hf import hf_config_from_model, hf_tensors_from_model, model_from_params
 
 
-def check_peer_shape(m: ModelConfig) -> None:
-    """The peer runs our weights in LlamaForCausalLM: the shape must be one Llama expresses (raises if not)."""
-    hf_config_from_model(m, "llama")
+def peer_mismatch(m: ModelConfig) -> str | None:
+    """Why LlamaForCausalLM cannot run this model (e.g. partial RoPE, MLA, windows), or None when it can. A model
+    the peer cannot mirror is still benchmarked on our side; the peer columns then say "not comparable"."""
+    try:
+        hf_config_from_model(m, "llama")
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def build_peer(m: ModelConfig, params: dict):
@@ -96,5 +101,18 @@ def peer_runner(peer, prompts: np.ndarray, use_cache: bool):
                 pad_token_id=0,
             )
         assert out.shape[1] == ids.shape[1] + k
+
+    return run
+
+
+def peer_forward(peer, prompts: np.ndarray):
+    """A callable running the peer's forward pass over prompts [B, T] (the prefill a `generate` call starts with)."""
+    import torch
+
+    ids = torch.from_numpy(np.asarray(prompts)).long()
+
+    def run():
+        with torch.no_grad():
+            return peer(input_ids=ids).logits
 
     return run

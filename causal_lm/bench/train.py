@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
@@ -22,10 +23,11 @@ from causal_lm.bench.common import (
     ratio,
     time_steps,
 )
-from causal_lm.bench.peer import check_peer_shape, train_peer
+from causal_lm.bench.peer import peer_mismatch, train_peer
 from causal_lm.config import Config
 from causal_lm.model import build_model
 from causal_lm.train.metrics import train_flops_per_token
+from causal_lm.train.profile import profile_trace
 from causal_lm.train.state import hyperparams, init_params, init_train_state, make_optimizer, split_params
 from causal_lm.train.step import build_train_step, train_step_key
 
@@ -103,8 +105,11 @@ def bench_train(
     quick: bool = False,
     compile_layers: Sequence[int] = (2, 12),
     ceilings: dict | None = None,
+    profile: str | None = None,
 ) -> dict:
     """Training throughput of `config` (its model and train.batch_size x train.seq_len) and of the peer.
+
+    profile: write a jax.profiler trace of our timed steps into this directory.
 
     Returns the JSON object of `causal-lm bench train --json`: machine, jax_version, ours {tokens_per_s, step_s,
     mfu, compile_s, ...}, peer {tokens_per_s, step_s, mfu, ...} or None, ratio_vs_peer, compile_layers (compile
@@ -115,8 +120,8 @@ def bench_train(
     warmup = warmup if warmup is not None else (1 if quick else 2)
     m, t = config.model, config.train
     status = peer_status() if peer else "skipped"
-    if status == "ok":
-        check_peer_shape(m)
+    if status == "ok" and peer_mismatch(m):
+        status = f"not comparable ({peer_mismatch(m)})"
     machine = ceilings or machine_ceilings(quick=quick)
     graphdef, params, rest, batch = _train_inputs(config)
     tokens_per_step = t.batch_size * t.seq_len
@@ -132,7 +137,8 @@ def bench_train(
             "step_times_s": times,
         }
 
-    r = _train_ours(config, graphdef, params, rest, batch, steps, warmup)
+    with profile_trace(profile) if profile else contextlib.nullcontext():
+        r = _train_ours(config, graphdef, params, rest, batch, steps, warmup)
     ours = {**summary(r.pop("step_times_s")), **r}
     peer_result = None
     if status == "ok":
@@ -158,6 +164,7 @@ def bench_train(
         "peer_status": status,
         "ratio_vs_peer": ratio(ours["tokens_per_s"], peer_result and peer_result["tokens_per_s"]),
         "compile_layers": depth,
+        "profile": profile,
     }
 
 
@@ -167,7 +174,7 @@ def bench_train(
 def format_train(r: dict) -> str:
     """The train result as a text table (what `causal-lm bench train` prints)."""
     m, o, p = r["model"], r["ours"], r["peer"]
-    peer_missing = r["peer_status"] if p is None else None
+    peer_missing = ("n/a" if r["peer_status"].startswith("not comparable") else r["peer_status"]) if p is None else None
     lines = header(r) + [
         f"model: {m['num_layers']} layers, d_model {m['d_model']}, {m['num_heads']} heads ({m['attention']}), "
         f"mlp {m['mlp_dim']}, vocab {m['vocab_size']}, {m['dtype']}; batch {r['batch_size']} x {r['seq_len']} "
@@ -193,4 +200,6 @@ def format_train(r: dict) -> str:
             + ", ".join(f"{k} layers {d[str(k)]:.1f} s" for k in depths)
             + f" (ratio {d['ratio']:.2f})"
         )
+    if r["peer_status"].startswith("not comparable"):
+        lines.append(f"peer: {r['peer_status']}")
     return "\n".join(lines)

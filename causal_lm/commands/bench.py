@@ -38,6 +38,17 @@ def register(sub):
         "--recompute-new-tokens", type=int, default=None, help="decode steps timed without the cache (default 4)"
     )
     d.add_argument("--reps", type=int, default=None, help="timed calls per length; the best counts (default 3)")
+    d.add_argument(
+        "--cache-dtypes", default="", help="more rows with the cache stored as these, e.g. bfloat16,int8 (ours only)"
+    )
+    d.add_argument("--workdir", default=None, help="time this trained workdir's model instead of a random-init one")
+    d.add_argument(
+        "--speculative",
+        default=None,
+        metavar="ngram|WORKDIR",
+        help="add rows comparing plain and speculative decoding (prompt lookup, or a draft model's workdir)",
+    )
+    d.add_argument("--draft-tokens", type=int, default=4, help="draft tokens checked per target pass (default 4)")
     d.set_defaults(func=run_decode)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
@@ -47,6 +58,7 @@ def _common(p):
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--quick", action="store_true", help="a fast smoke run: fewer steps, smaller sweeps")
     p.add_argument("--no-peer", action="store_true", help="skip the transformers/PyTorch peer")
+    p.add_argument("--profile", default=None, metavar="DIR", help="write a jax.profiler trace of the timed work here")
 
 
 def _ints(text: str) -> tuple:
@@ -66,6 +78,7 @@ def run_train(args) -> int:
         peer=not args.no_peer,
         quick=args.quick,
         compile_layers=_ints(args.compile_layers),
+        profile=args.profile,
     )
     print(json.dumps(r) if args.json else format_train(r))
     return 0
@@ -83,6 +96,11 @@ def run_decode(args) -> int:
         reps=args.reps,
         peer=not args.no_peer,
         quick=args.quick,
+        cache_dtypes=tuple(x.strip() for x in args.cache_dtypes.split(",") if x.strip()),
+        workdir=args.workdir,
+        speculative=args.speculative,
+        draft_tokens=args.draft_tokens,
+        profile=args.profile,
     )
     print(json.dumps(r) if args.json else format_decode(r))
     return 0
