@@ -360,6 +360,11 @@ def test_compile_count_counts_new_buckets_not_new_lengths():
     generate(model, [[9] * 9], max_new_tokens=5)  # bucket 16
     assert compile_count() == before + 1
     assert bucket_length(9) == 16 and bucket_length(1) == 8
+    # max_new_tokens is bucketed too (powers of two from 16): 5 and 12 share a program, 17 does not
+    res = generate(model, [[1, 2, 3]], max_new_tokens=12)
+    assert compile_count() == before + 1 and len(res.tokens[0]) == 12
+    generate(model, [[1, 2, 3]], max_new_tokens=17)
+    assert compile_count() == before + 2
 
 
 def test_concrete_tokens_with_a_cache_built_inside_jit():

@@ -26,7 +26,7 @@ from causal_lm.bench.common import (
 )
 from causal_lm.bench.peer import build_peer, peer_forward, peer_mismatch, peer_runner
 from causal_lm.config import Config, ModelConfig
-from causal_lm.decode import generate
+from causal_lm.decode import bucket_length, generate
 from causal_lm.interop.hf import model_from_params
 from causal_lm.model.kv_cache import CACHE_DTYPES, cache_bytes, init_cache
 from causal_lm.train import load_for_inference
@@ -40,6 +40,12 @@ DEFAULT_BATCHES = (1, 8)
 
 
 # ---- the machine -------------------------------------------------------------------------------------------
+
+
+def _same_program(n: int) -> dict:
+    """generate arguments that compile t(1) and t(1 + n) into one program (the same room for new tokens), so their
+    difference is the n decode steps and nothing else."""
+    return {"max_new_bucket": bucket_length(1 + n, 16)}
 
 
 def _decode_seconds(run: Callable[[int], None], n: int, reps: int) -> float:
@@ -76,7 +82,7 @@ def decode_loop_comparison(model, context: int, batch: int = 1, n: int = 64, rep
     Python loop reading each token back to the host (what a streaming loop in Python does)."""
     graphdef, state = nnx.split(model)
     prompts = np.random.default_rng(1).integers(0, model.config.vocab_size, (batch, context), dtype=np.int32)
-    device_loop = _decode_seconds(_ours_runner(model, prompts, True), n, reps) / n
+    device_loop = _decode_seconds(_ours_runner(model, prompts, True, **_same_program(n)), n, reps) / n
 
     @jax.jit
     def split(state):
@@ -159,8 +165,8 @@ def speculative_rows(model, tokenizer, speculative, draft_tokens: int, n: int, r
     for kind, text in SPECULATIVE_PROMPTS.items():
         ids = _prompt_ids(text, tokenizer, model.config.vocab_size)
         ids = np.asarray([ids[-(model.config.max_seq_len - n - 2) :]])  # the end of it, if the model is short
-        plain = _ours_runner(model, ids, True)
-        spec = _ours_runner(model, ids, True, speculative=speculative, draft_tokens=draft_tokens)
+        plain = _ours_runner(model, ids, True, **_same_program(n))
+        spec = _ours_runner(model, ids, True, speculative=speculative, draft_tokens=draft_tokens, **_same_program(n))
         t_plain = _decode_seconds(plain, n, reps)
         t_spec = _decode_seconds(spec, n, reps)
         res = spec(1 + n)
@@ -313,9 +319,10 @@ def _decode_row(model, m, peer_model, prompts, n, n_re, reps, weight_bytes, mach
         "new_tokens": n,
         "recompute_new_tokens": n_re,
     }
-    cached = _ours_runner(model, prompts, True, cache_dtype=cache_dtype)
+    cached = _ours_runner(model, prompts, True, cache_dtype=cache_dtype, **_same_program(n))
     row["cached_tokens_per_s"] = batch * n / _decode_seconds(cached, n, reps)
-    row["prefill_tokens_per_s"] = batch * context / _best(lambda: cached(1), reps)
+    first = _ours_runner(model, prompts, True, cache_dtype=cache_dtype)  # the smallest room for new tokens
+    row["prefill_tokens_per_s"] = batch * context / _best(lambda: first(1), reps)
     row["recompute_tokens_per_s"] = None
     if cache_dtype is None:  # recomputing is independent of how a cache would store K/V
         row["recompute_tokens_per_s"] = batch * n_re / _decode_seconds(_ours_runner(model, prompts, False), n_re, reps)

@@ -62,7 +62,7 @@ class GenerateResult:
 class RecomputeState:
     """What the recompute path carries from step to step: the sequences so far and their lengths."""
 
-    tokens: jax.Array  # [B, prompt bucket + max_new] int32, right-padded
+    tokens: jax.Array  # [B, prompt bucket + new-token bucket] int32, right-padded
     lengths: jax.Array  # [B] int32
 
 
@@ -75,8 +75,8 @@ class DecodeState:
     model_state: object  # the KVCache (cached path) or a RecomputeState
     token: jax.Array  # [B] int32: the last sampled token, the next step's input
     done: jax.Array  # [B] bool: the row emitted a stop token
-    out: jax.Array  # [B, max_new] int32, -1 after a row's stop
-    out_logits: jax.Array  # [B, max_new, V] float32 with return_logits, else [0]
+    out: jax.Array  # [B, new-token bucket] int32, -1 after a row's stop or past max_new_tokens
+    out_logits: jax.Array  # [B, new-token bucket, V] float32 with return_logits, else [0]
     kv_computed: jax.Array  # [B] int32
 
 
@@ -113,6 +113,7 @@ def _generate_jit(
     top_p,
     stop_ids,
     stream_id,
+    limit,
     *,
     graphdef,
     prompt_len,
@@ -195,7 +196,7 @@ def _generate_jit(
     start = emit(start, tok, first_logits)
 
     def cond(s: DecodeState):
-        return (s.step < max_new) & ~jnp.all(s.done)
+        return (s.step < limit) & ~jnp.all(s.done)
 
     def body(s: DecodeState) -> DecodeState:
         active = ~s.done
@@ -272,6 +273,7 @@ def generate(
     speculative=None,
     draft_tokens: int = 4,
     num_samples: int = 1,
+    max_new_bucket: int | None = None,
     mesh=None,
 ) -> GenerateResult:
     """Generate up to `max_new_tokens` for each prompt (lists of token ids, any lengths) on the device.
@@ -282,6 +284,9 @@ def generate(
     speculative: None, "ngram" (prompt-lookup drafts) or a draft model with the same vocabulary; the target checks
     up to `draft_tokens` proposals per forward pass (see `causal_lm.decode.speculative`). Greedy output is the
     same as without it; sampled output has the same distribution.
+    max_new_bucket: the room for new tokens the program is compiled for (default: max_new_tokens rounded up to a
+    power of two, at least 16, on the cached path): calls whose prompts share a bucket and whose max_new_tokens
+    share this one reuse one compiled program; the loop still stops at max_new_tokens.
     num_samples: n continuations per prompt, rows ordered prompt-major (prompt 0's samples first). Each prompt is
     prefilled once and its cached K/V shared by its samples. Seed policy: the rows draw exactly what a batch of n
     copies of each prompt (in that order) draws with the same seed.
@@ -306,6 +311,10 @@ def generate(
     if isinstance(num_samples, bool) or not isinstance(num_samples, int | np.integer) or num_samples < 1:
         raise GenerateError(f"num_samples must be a positive integer, got {num_samples!r}")
     draft = _check_speculative(speculative, draft_tokens, c, use_cache, max(lens) + max_new_tokens)
+    # The recompute path's every step runs over the whole buffer, so it is not padded beyond what was asked.
+    new_bucket = int(max_new_bucket or (bucket_length(max_new_tokens, 16) if use_cache else max_new_tokens))
+    if new_bucket < max_new_tokens:
+        raise GenerateError(f"max_new_bucket={max_new_bucket} is smaller than max_new_tokens={max_new_tokens}")
     if use_cache:
         require_causal(c)
 
@@ -341,7 +350,7 @@ def generate(
     static = dict(
         prompt_len=prompt_len,
         chunk=chunk,
-        max_new=int(max_new_tokens),
+        max_new=new_bucket,
         return_logits=return_logits,
         cache_dtype=cache_dtype,
         stream=on_step is not None,
@@ -350,14 +359,16 @@ def generate(
     )
     with STREAMS.open(on_step) as stream_id:
         sid = np.int32(stream_id) if mesh is None else parallel.replicate(np.int32(stream_id), mesh)
+        limit = np.int32(max_new_tokens) if mesh is None else parallel.replicate(np.int32(max_new_tokens), mesh)
         if draft is None:
-            result = _generate_jit(state, *args, sid, graphdef=graphdef, use_cache=use_cache, **static)
+            result = _generate_jit(state, *args, sid, limit, graphdef=graphdef, use_cache=use_cache, **static)
         else:
             result = speculative_jit(
                 state,
                 draft_state,
                 *args,
                 sid,
+                limit,
                 graphdef=graphdef,
                 draft_graphdef=draft_graphdef,
                 k=int(draft_tokens),
@@ -367,7 +378,7 @@ def generate(
         out = np.asarray(out)
         if on_step is not None:
             jax.effects_barrier()
-    rows = [[int(t) for t in row if t >= 0] for row in out]
+    rows = [[int(t) for t in row[:max_new_tokens] if t >= 0] for row in out]
     steps = max(len(r) for r in rows)
     kv = [int(x) for x in np.asarray(kv)]
     return GenerateResult(

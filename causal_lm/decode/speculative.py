@@ -160,6 +160,7 @@ def speculative_jit(
     top_p,
     stop_ids,
     stream_id,
+    limit,
     *,
     graphdef,
     draft_graphdef,
@@ -211,7 +212,7 @@ def speculative_jit(
         history=history,
         hist_len=lengths + 1,
         count=jnp.ones((B,), jnp.int32),
-        done=jnp.isin(first, stop_ids) | (max_new <= 1),
+        done=jnp.isin(first, stop_ids) | (limit <= 1),
         out=jnp.full((B, width), -1, jnp.int32).at[:, 0].set(first),
         out_logits=out_logits,
         kv_computed=jnp.zeros((B,), jnp.int32),
@@ -222,13 +223,13 @@ def speculative_jit(
         io_callback(STREAMS.dispatch_rows, None, stream_id, start.out, start.count, start.done, ordered=mesh is None)
 
     def cond(s: SpeculativeState):
-        return ~jnp.all(s.done) & (s.passes < max_new)
+        return ~jnp.all(s.done) & (s.passes < limit)
 
     def body(s: SpeculativeState) -> SpeculativeState:
         active = ~s.done
         key_pass = jax.random.fold_in(key, s.passes + 1)
         k_draft, k_accept = jax.random.split(key_pass)
-        budget = jnp.clip(max_new - s.count - 1, 0, k)  # proposals beyond max_new would be thrown away
+        budget = jnp.clip(limit - s.count - 1, 0, k)  # proposals beyond max_new_tokens would be thrown away
         if draft is None:
             drafts, n_prop = ngram_proposals(s.history, s.hist_len, k)
             q, dcache = None, None
@@ -248,7 +249,7 @@ def speculative_jit(
         emitted = jnp.where(
             jnp.arange(k + 1)[None] < a[:, None], jnp.concatenate([drafts, drafts[:, :1]], 1), nxt[:, None]
         )  # [B, k + 1]
-        m = jnp.minimum(a + 1, max_new - s.count)
+        m = jnp.minimum(a + 1, limit - s.count)
         is_stop = jnp.isin(emitted, stop_ids) & (jnp.arange(k + 1)[None] < m[:, None])
         first_stop = jnp.argmax(is_stop, axis=1)
         stopped = jnp.any(is_stop, axis=1)
@@ -263,7 +264,7 @@ def speculative_jit(
         hcols = jnp.where(jnp.arange(k + 1)[None] < m[:, None], s.hist_len[:, None] + jnp.arange(k + 1), total)
         history = jax.vmap(lambda h, i, t: h.at[i].set(t, mode="drop"))(s.history, hcols, emitted)
         count = s.count + m
-        done = s.done | stopped | (count >= max_new)
+        done = s.done | stopped | (count >= limit)
         # the caches keep the pending token and the accepted drafts; the target's own token is the next pending one
         kept = s.hist_len + a  # = old cache length + 1 + a
         target = shard_cache(target.rollback(jnp.where(active, kept, target.lengths)), mesh)
