@@ -99,9 +99,10 @@ class KVCache:
 
     @property
     def bounded(self) -> bool:
-        """Whether rows are limited to max_len tokens: true when a global (full-length) layer is cached. A cache
-        of local layers only is a set of rings that wrap for as long as the model's positions go."""
-        return any(g.window == 0 for g in self.groups)
+        """Whether rows are limited to max_len tokens: true when a group has max_len slots (global layers, or a
+        ring as long as max_len). A cache whose groups are all shorter rings wraps for as long as the model's
+        positions go."""
+        return any(g.capacity >= self.max_len for g in self.groups)
 
     @property
     def num_layers(self) -> int:
@@ -151,9 +152,8 @@ class KVCache:
                 keep = valid & (pos > last[:, None] - C)
                 slot = jnp.where(keep, pos % C, C + t[None, :])
                 # A call writing more than C - W + 1 tokens would overwrite keys its first queries still need (a
-                # ring of max_len slots in a bounded cache never wraps: positions stay below max_len).
-                wraps = C < self.max_len or not self.bounded
-                read_old.append(wraps and T > C - g.window + 1)
+                # ring of max_len slots never wraps: its rows are bounded at max_len).
+                read_old.append(C < self.max_len and T > C - g.window + 1)
             else:
                 keep = valid
                 slot = jnp.where(keep, pos, C + t[None, :])
@@ -207,7 +207,7 @@ class KVCache:
             undone = int(np.max(np.asarray(self.lengths) - np.asarray(lengths), initial=0))
             for g in self.groups:
                 room = g.capacity - g.window
-                if g.window and undone > room and (g.capacity < self.max_len or not self.bounded):
+                if g.window and undone > room and g.capacity < self.max_len:
                     raise CacheError(
                         f"cannot roll back {undone} tokens: a local layer's ring (window {g.window}) holds "
                         f"{g.capacity} slots, room to undo {room}; build the cache with init_cache(..., "
@@ -325,14 +325,12 @@ def entry_shapes(config: ModelConfig) -> dict:
 def layer_groups(config: ModelConfig, max_len: int, lookahead: int = 0) -> list:
     """[(window, capacity, layers)] for a cache of `max_len` tokens: one group per distinct window.
 
-    A local layer's ring holds W + lookahead slots. When global layers bound a row at max_len, a ring never needs
-    more than max_len slots (then it never wraps); a model with local layers only has no such bound (its rows grow
-    as far as its positions go), so its rings keep W + lookahead slots whatever max_len says."""
-    windows = config.layer_windows
-    bounded = 0 in windows
+    A local layer's ring holds min(W + lookahead, max_len) slots: a ring as long as max_len never wraps (the row
+    is then bounded at max_len, like a global layer's), a shorter one wraps for as long as the model's positions
+    go."""
     out = {}
-    for layer, w in enumerate(windows):
-        cap = max_len if not w else (min(max_len, w + lookahead) if bounded else w + lookahead)
+    for layer, w in enumerate(config.layer_windows):
+        cap = max_len if not w else min(max_len, w + lookahead)
         out.setdefault(w, (w, cap, []))[2].append(layer)
     return [(w, cap, tuple(layers)) for w, cap, layers in out.values()]
 
