@@ -22,6 +22,9 @@ MASKS = ("causal", "none", "causal_after_softmax")
 ATTENTION_IMPLS = ("xla", "dot_product_attention")
 ATTENTION_TYPES = ("mha", "mla")
 LAYER_KINDS = ("global", "local")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_KINDS = ("rope", "nope")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 DTYPES = ("float32", "bfloat16", "float16")
 OPTIMIZERS = ("adamw", "muon", "lion", "adafactor")
 OPT_STATE_DTYPES = ("auto", "float32", "bfloat16")
@@ -73,6 +76,30 @@ class ModelConfig:
     # Sliding window: a "local" layer's query at position p sees keys at positions p - sliding_window + 1 .. p.
     sliding_window: int = 0  # 0 = no window
     layer_pattern: str = ""  # comma-separated "local"/"global", cycled over layers; "" = all local if windowed
+    # RoPE frequency scaling, computed as transformers computes it (modeling_rope_utils): "linear" divides every
+    # frequency by rope_factor; "llama3" (Llama 3.1+) divides the low frequencies by rope_factor and blends the
+    # middle band between rope_low_freq_factor and rope_high_freq_factor of the rope_original_max_len context;
+    # "yarn" (Qwen, DeepSeek) ramps between interpolated and original frequencies from rope_beta_fast to
+    # rope_beta_slow rotations and multiplies cos and sin by rope_attention_factor.
+    rope_type: str = "default"  # "default" | "linear" | "llama3" | "yarn"
+    rope_factor: float = 1.0  # linear / llama3 / yarn: the context extension factor
+    rope_original_max_len: int = 0  # llama3 / yarn: the pretraining context (original_max_position_embeddings)
+    rope_low_freq_factor: float = 1.0  # llama3
+    rope_high_freq_factor: float = 4.0  # llama3
+    rope_beta_fast: float = 32.0  # yarn
+    rope_beta_slow: float = 1.0  # yarn
+    rope_attention_factor: float | None = None  # yarn: cos/sin multiplier; None -> 0.1 * ln(rope_factor) + 1
+    rope_truncate: bool = True  # yarn: round the correction range to whole dims
+    rope_local_theta: float | None = None  # local (sliding-window) layers' own plain-RoPE theta (Gemma 3)
+    rope_pattern: str = ""  # comma-separated "rope"/"nope", cycled over layers: NoPE layers in a RoPE model
+    qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3, Gemma 3)
+    norm_scale_plus_one: bool = False  # every RMSNorm multiplies by (1 + w), w initialised to 0 (Gemma)
+    post_norms: bool = False  # RMSNorm on the attention and MLP outputs before the residual add (Gemma 2/3)
+    scale_embeddings: bool = False  # embeddings times sqrt(d_model), cast to the compute dtype first (Gemma)
+    mlp_activation: str = "silu"  # gated MLP: "silu" (SwiGLU) | "gelu_tanh" (GeGLU, tanh-approximate GELU)
+    attn_scale: float | None = None  # score multiplier; None -> head_dim ** -0.5 (Gemma: query_pre_attn_scalar**-0.5)
+    attn_softcap: float = 0.0  # scores -> c * tanh(scores / c) before the mask (Gemma 2); 0 = off
+    final_softcap: float = 0.0  # logits -> c * tanh(logits / c) (Gemma 2); 0 = off
     attn_output_gate: bool = False  # sigmoid gate on each head's attention output
     attn_sink: bool = False  # learnable per-head logit added to the softmax denominator
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2-style)
@@ -87,8 +114,9 @@ class ModelConfig:
     _derived: tuple = dataclasses.field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        if isinstance(self.layer_pattern, (tuple, list)):  # accept ("local", "global") as well as "local,global"
-            object.__setattr__(self, "layer_pattern", ",".join(self.layer_pattern))
+        for name in ("layer_pattern", "rope_pattern"):  # accept ("local", "global") as well as "local,global"
+            if isinstance(getattr(self, name), (tuple, list)):
+                object.__setattr__(self, name, ",".join(getattr(self, name)))
         for name in ("vocab_size", "d_model", "num_layers", "num_heads", "mlp_dim", "max_seq_len"):
             v = getattr(self, name)
             _check(isinstance(v, int) and v > 0, f"model.{name} must be a positive integer, got {v!r}")
@@ -129,6 +157,8 @@ class ModelConfig:
         _check(self.rope_theta > 0, f"model.rope_theta must be positive, got {self.rope_theta}")
         self._check_mla()
         self._check_window()
+        self._check_rope_variants()
+        self._check_block_variants()
         if self.position == "rope" and self.attention_type != "mla":
             _check(
                 self.rope_dim > 0 and self.rope_dim % 2 == 0,
@@ -253,6 +283,99 @@ class ModelConfig:
             )
             _check(self.attention_mask == "causal", "model.sliding_window needs attention_mask='causal'")
 
+    def _check_rope_variants(self):
+        t = self.rope_type
+        _check(
+            t != "dynamic",
+            "model.rope_type='dynamic' (dynamic NTK) is not implemented: transformers recomputes its frequencies "
+            "from the length of each call, so one model's RoPE would depend on how it is called",
+        )
+        _check(t in ROPE_TYPES, f"model.rope_type must be one of {ROPE_TYPES}, got {t!r}")
+        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.init}
+        applies = {
+            "rope_factor": ("linear", "llama3", "yarn"),
+            "rope_original_max_len": ("llama3", "yarn"),
+            "rope_low_freq_factor": ("llama3",),
+            "rope_high_freq_factor": ("llama3",),
+            "rope_beta_fast": ("yarn",),
+            "rope_beta_slow": ("yarn",),
+            "rope_attention_factor": ("yarn",),
+            "rope_truncate": ("yarn",),
+        }
+        for name, types in applies.items():
+            _check(
+                getattr(self, name) == defaults[name] or t in types,
+                f"model.{name} only applies to rope_type {' / '.join(map(repr, types))} (this model uses {t!r})",
+            )
+        per_layer = {"rope_local_theta": None, "rope_pattern": ""}
+        if self.position != "rope":
+            for name, off in (("rope_type", "default"), *per_layer.items()):
+                _check(
+                    getattr(self, name) == off,
+                    f"model.{name}={getattr(self, name)!r} needs position='rope' (this model uses {self.position!r})",
+                )
+            return
+        if self.attention_type == "mla":
+            for name, off in (("rope_type", "default"), *per_layer.items()):
+                _check(getattr(self, name) == off, f"model.{name} is not supported with attention_type='mla'")
+        if t != "default":
+            _check(self.rope_factor > 0, f"model.rope_factor must be positive, got {self.rope_factor}")
+        if t in ("llama3", "yarn"):
+            m = self.rope_original_max_len
+            _check(
+                isinstance(m, int) and m > 0,
+                f"rope_type={t!r} needs model.rope_original_max_len, the pretraining context (a positive integer), "
+                f"got {m!r}",
+            )
+        if t == "llama3":
+            _check(
+                self.rope_high_freq_factor > self.rope_low_freq_factor > 0,
+                "rope_type='llama3' needs 0 < model.rope_low_freq_factor < model.rope_high_freq_factor, got "
+                f"{self.rope_low_freq_factor} and {self.rope_high_freq_factor}",
+            )
+        a = self.rope_attention_factor
+        _check(a is None or a > 0, f"model.rope_attention_factor must be positive or None, got {a}")
+        lt = self.rope_local_theta
+        if lt is not None:
+            _check(lt > 0, f"model.rope_local_theta must be positive or None, got {lt}")
+            _check(
+                any(self.layer_windows),
+                "model.rope_local_theta is the RoPE theta of local (sliding-window) layers, but this model has none "
+                "(set sliding_window and layer_pattern)",
+            )
+        kinds = self.rope_kinds
+        bad = [k for k in kinds if k not in ROPE_KINDS]
+        _check(
+            not bad,
+            f"model.rope_pattern entries must be in {ROPE_KINDS}, got {bad} (write it as e.g. rope_pattern=rope,nope)",
+        )
+        _check(
+            not kinds or "rope" in kinds,
+            "model.rope_pattern has no 'rope' layer; for a model without RoPE use position='none'",
+        )
+
+    def _check_block_variants(self):
+        _check(
+            self.mlp_activation in MLP_ACTIVATIONS,
+            f"model.mlp_activation must be one of {MLP_ACTIVATIONS}, got {self.mlp_activation!r}",
+        )
+        s = self.attn_scale
+        _check(s is None or s > 0, f"model.attn_scale must be positive or None, got {s!r}")
+        for name in ("attn_softcap", "final_softcap"):
+            v = getattr(self, name)
+            _check(v >= 0, f"model.{name} must be >= 0 (0 = off), got {v}")
+        if self.attn_softcap:
+            _check(
+                self.attention_impl == "xla",
+                "model.attn_softcap needs attention_impl='xla' (jax.nn.dot_product_attention has no softcapping)",
+            )
+        if self.attention_type == "mla":
+            for name in ("qk_norm", "attn_scale", "attn_softcap", "norm_scale_plus_one"):
+                _check(
+                    not getattr(self, name),
+                    f"model.{name} is not supported with attention_type='mla' (MLA has its own norms and scale)",
+                )
+
     # ---- derived sizes -------------------------------------------------------------------------------------
     @property
     def rope_dim(self) -> int:
@@ -275,6 +398,32 @@ class ModelConfig:
             return (0,) * self.num_layers
         kinds = self.layer_kinds or ("local",)
         return tuple(self.sliding_window if kinds[i % len(kinds)] == "local" else 0 for i in range(self.num_layers))
+
+    @property
+    def rope_kinds(self) -> tuple:
+        """The parsed rope_pattern, e.g. ("rope", "rope", "rope", "nope") (empty when unset)."""
+        return tuple(k.strip() for k in self.rope_pattern.split(",") if k.strip())
+
+    @property
+    def layer_ropes(self) -> tuple:
+        """Per layer, the rotary embedding it applies (empty without RoPE):
+        "rope" (rope_theta, scaled by rope_type), "local" (rope_local_theta, plain: the local layers when it is
+        set) or "nope" (none: the NoPE layers of rope_pattern)."""
+        if self.position != "rope":
+            return ()
+        kinds = self.rope_kinds or ("rope",)
+        out = []
+        for i, w in enumerate(self.layer_windows):
+            if kinds[i % len(kinds)] == "nope":
+                out.append("nope")
+            else:
+                out.append("local" if w and self.rope_local_theta is not None else "rope")
+        return tuple(out)
+
+    @property
+    def score_scale(self) -> float:
+        """The multiplier of q.k before the softmax (MHA / GQA / MQA)."""
+        return self.head_dim**-0.5 if self.attn_scale is None else float(self.attn_scale)
 
     @property
     def attention_label(self) -> str:

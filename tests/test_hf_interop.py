@@ -304,6 +304,10 @@ def test_older_config_spelling(llama_dir, tmp_path):
     p = _copy(path, tmp_path)
     _edit_config(p, rope_parameters=_DELETE, rope_theta=123.0, rope_scaling=None)
     assert load_hf(p)[0].config.rope_theta == 123.0
+    # 4.x scaling: rope_scaling with the old key "type"
+    _edit_config(p, rope_scaling={"type": "linear", "factor": 2.0})
+    c = load_hf(p)[0].config
+    assert (c.rope_type, c.rope_factor, c.rope_theta) == ("linear", 2.0, 123.0)
 
 
 def test_missing_files_are_clear_errors(llama_dir, tmp_path):
@@ -368,8 +372,14 @@ def test_unexpected_tensor_is_refused(llama_dir, tmp_path):
             dict(architectures=["GPT2LMHeadModel"], model_type="gpt2"),
             r"unsupported architecture \['GPT2LMHeadModel'\].*LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM",
         ),
-        (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}), r"rope type 'llama3'"),
-        (dict(rope_parameters=_DELETE, rope_scaling={"type": "linear", "factor": 2.0}), r"rope type 'linear'"),
+        # llama3 / linear / yarn scaling load (tests/test_architectures.py); an incomplete one and the kinds not
+        # computed here are refused by name
+        (
+            dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}),
+            r"rope type 'llama3' needs 'low_freq_factor'",
+        ),
+        (dict(rope_parameters=_DELETE, rope_scaling={"type": "dynamic", "factor": 2.0}), r"rope type 'dynamic'"),
+        (dict(rope_parameters={"rope_type": "longrope", "factor": 2.0}), r"rope type 'longrope'"),
         (dict(hidden_act="gelu"), r"hidden_act='gelu'.*expected 'silu'"),
         (dict(attention_bias=True), r"attention_bias=true"),
         (dict(mlp_bias=True), r"mlp_bias=true"),

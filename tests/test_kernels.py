@@ -3,7 +3,8 @@
 The reference (plain einsums over the dense mask) is the definition; each faster path is tested against it over
 the grid: MHA / GQA / MQA, sink logits or not, and masks from training (causal, index order), sliding windows,
 packed documents (segments, positions restarting), a chunk at an offset over a cache, a ring-buffer cache (slots
-out of position order), padding, and the zero-after-softmax research variant.
+out of position order), padding, and the zero-after-softmax research variant; and with Gemma 2's tanh softcapping
+of the scores (applied before the mask) on half of the grid.
 """
 
 import jax.numpy as jnp
@@ -84,43 +85,53 @@ FAST = {
 }
 
 
-def _applies(name, mask, sink, T, S):
+def _applies(name, mask, sink, softcap, T, S):
     if name.startswith("blocked"):
         return mask.index_causal and T == S
     if name == "dot_product_attention":
-        return sink is None and mask.zero_after is None
+        return sink is None and softcap is None and mask.zero_after is None
     return True
 
 
-def _run(name, fn, q, k, v, mask, sink, scale):
+def _run(name, fn, q, k, v, mask, sink, scale, softcap=None):
     # Eager: each primitive compiles once per shape and is reused across cases; jitting every kernel for every
     # case would compile ~200 whole programs.
-    return fn(q, k, v, mask, scale=scale, sink=sink)
+    return fn(q, k, v, mask, scale=scale, sink=sink, softcap=softcap)
+
+
+# A cap well inside the scores' range (|score| reaches ~4 at scale 1/sqrt(8)), so it changes every kernel's result.
+SOFTCAP = 1.5
 
 
 @pytest.mark.parametrize("kv", [4, 2, 1], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("case", CASES)
 def test_every_kernel_equals_the_reference(kv, case):
     T, S, build = CASES[case]
-    with_sink = (list(CASES).index(case) + kv) % 2 == 1  # half the grid with sink logits, each case and head count
-    # covered both ways across the grid (a full product doubles the compiles for little)
+    i = list(CASES).index(case)
+    with_sink = (i + kv) % 2 == 1  # half the grid with sink logits, each case and head count
+    # covered both ways across the grid (a full product doubles the compiles for little); likewise softcapping,
+    # crossed with the sink so both combinations occur.
+    softcap = SOFTCAP if (i // 2 + kv) % 2 == 0 else None
     mask = build()
     q, k, v = _qkv(T, S, kv)
     sink = jnp.asarray([-1.0, 0.5, 2.0, 0.0], jnp.float32) if with_sink else None
     scale = kernels.default_scale(H)
-    ref, weights = kernels.reference_attention(q, k, v, mask, scale=scale, sink=sink)
+    ref, weights = kernels.reference_attention(q, k, v, mask, scale=scale, sink=sink, softcap=softcap)
     assert np.isfinite(np.asarray(ref)).all()
     checked = 0
     for name, fn in FAST.items():
-        if not _applies(name, mask, sink, T, S):
+        if not _applies(name, mask, sink, softcap, T, S):
             continue
-        out = _run(name, fn, q, k, v, mask, sink, scale)
+        out = _run(name, fn, q, k, v, mask, sink, scale, softcap)
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=ATOL, rtol=0, err_msg=name)
         checked += 1
     assert checked >= 2
     # and the dispatcher's choice for these shapes is one of them (same result)
-    out, _ = kernels.attention(q, k, v, mask, scale=scale, sink=sink)
+    out, _ = kernels.attention(q, k, v, mask, scale=scale, sink=sink, softcap=softcap)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=ATOL, rtol=0)
+    if softcap is not None:  # the cap matters here: without it the result is different
+        uncapped, _ = kernels.reference_attention(q, k, v, mask, scale=scale, sink=sink)
+        assert np.abs(np.asarray(uncapped) - np.asarray(ref)).max() > 1e-2
 
 
 def test_the_reference_is_the_formula():
@@ -162,3 +173,32 @@ def test_the_blocked_kernel_refuses_a_mask_that_does_not_promise_causality():
         kernels.blocked_causal_attention(q, k, v, loose, scale=0.3, block=16)
     assert kernels.select_kernel(q, k, loose) is kernels.heads_major_attention
     assert kernels.select_kernel(q, k, mask) is not kernels.heads_major_attention  # the blocked one
+
+
+@pytest.mark.parametrize("sink", [False, True], ids=["plain", "sink"])
+def test_softcap_is_tanh_of_the_scaled_scores_before_the_mask(sink):
+    """Gemma 2's softcapping against numpy: weights = softmax over visible keys of c * tanh(q.k * scale / c).
+
+    Capping after the mask would turn the masked scores' large negative into -c, a score like any other: masked
+    keys would get weight, which this catches (the chunk mask hides most keys of each row)."""
+    T, S, K, c = 3, 20, 2, 2.0
+    mask = _chunk_mask(T, S)
+    q, k, v = _qkv(T, S, K, seed=5, Hv=5)
+    sinks = np.asarray([0.3, -0.2, 1.0, 0.0], np.float32)
+    out, w = kernels.reference_attention(q, k, v, mask, scale=0.5, sink=jnp.asarray(sinks) if sink else None, softcap=c)
+    q, k, v, vis = (np.asarray(a, np.float64) for a in (q, k, v, mask.visible))
+    G = N // K
+    for b in range(2):
+        for n in range(N):
+            for t in range(T):
+                s = c * np.tanh((k[b, :, n // G] @ q[b, t, n]) * 0.5 / c)
+                e = np.where(vis[b, t] > 0, np.exp(s - s.max()), 0.0)
+                p = e / (e.sum() + (np.exp(sinks[n] - s.max()) if sink else 0.0))
+                np.testing.assert_allclose(np.asarray(w)[b, n, t], p, atol=1e-6)
+                np.testing.assert_allclose(np.asarray(out)[b, t, n], p @ v[b, :, n // G], atol=1e-5)
+
+
+def test_dot_product_attention_refuses_softcapping():
+    q, k, v = _qkv(3, 20, 2)
+    with pytest.raises(ValueError, match="softcapping"):
+        kernels.xla_dot_product_attention(q, k, v, _chunk_mask(3, 20), scale=0.3, softcap=5.0)

@@ -51,10 +51,10 @@ def register(sub):
     )
     p.add_argument(
         "--architecture",
-        choices=("llama", "mistral", "qwen2"),
+        choices=("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3"),
         default=None,
-        help="with --to-hf: the architecture to write (default: qwen2 if the model has q/k/v biases, "
-        "mistral if it has a sliding window on every layer, else llama)",
+        help="with --to-hf: the architecture to write (default: the family whose features the model uses, "
+        "see causal_lm.interop.hf.default_architecture; plain models as llama)",
     )
     p.add_argument("--step", default=None, help="with --to-hf: checkpoint step, 'latest' (default) or 'best'")
     p.set_defaults(func=run)

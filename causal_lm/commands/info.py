@@ -14,6 +14,50 @@ def register(sub):
     p.set_defaults(func=run)
 
 
+def architecture_notes(m) -> list[str]:
+    """One phrase per architecture setting away from the plain Llama-style default (RoPE scaling, per-layer RoPE,
+    windows, QK-norm, Gemma's norms, softcaps, ...), for `info` to print."""
+    notes = []
+    if m.position == "rope" and m.rope_type != "default":
+        detail = f"factor {m.rope_factor:g}"
+        if m.rope_type in ("llama3", "yarn"):
+            detail += f", original context {m.rope_original_max_len}"
+        if m.rope_type == "llama3":
+            detail += f", low/high freq factors {m.rope_low_freq_factor:g}/{m.rope_high_freq_factor:g}"
+        if m.rope_type == "yarn":
+            from causal_lm.model.rope import yarn_attention_factor
+
+            a = yarn_attention_factor(m.rope_factor) if m.rope_attention_factor is None else m.rope_attention_factor
+            detail += f", beta fast/slow {m.rope_beta_fast:g}/{m.rope_beta_slow:g}, attention factor {a:.4g}"
+        where = " on the global layers" if m.rope_local_theta is not None else ""
+        notes.append(f"RoPE scaling {m.rope_type} ({detail}){where}")
+    if m.rope_local_theta is not None:
+        notes.append(f"local layers' RoPE theta {m.rope_local_theta:g} (global {m.rope_theta:g})")
+    nope = [i for i, k in enumerate(m.layer_ropes) if k == "nope"]
+    if nope:
+        notes.append(f"NoPE layers {nope} ({len(nope)} of {m.num_layers}, RoPE on the others)")
+    local = [i for i, w in enumerate(m.layer_windows) if w]
+    if local:
+        notes.append(f"sliding window {m.sliding_window} on {len(local)} of {m.num_layers} layers")
+    if m.qk_norm:
+        notes.append("QK-norm (RMSNorm over each head's q and k before RoPE)")
+    if m.norm_scale_plus_one:
+        notes.append("RMSNorm gains applied as (1 + w)")
+    if m.post_norms:
+        notes.append("post-norms on the attention and MLP outputs")
+    if m.scale_embeddings:
+        notes.append(f"embeddings x sqrt({m.d_model})")
+    if m.mlp_activation == "gelu_tanh":
+        notes.append("GeGLU MLP (tanh-approximate GELU)")
+    if m.attn_scale is not None:
+        notes.append(f"score scale {m.attn_scale:.6g} (= {m.attn_scale**-2:.6g} ** -0.5)")
+    if m.attn_softcap:
+        notes.append(f"attention scores softcapped at {m.attn_softcap:g}")
+    if m.final_softcap:
+        notes.append(f"final logits softcapped at {m.final_softcap:g}")
+    return notes
+
+
 def info(config, seed: int = 0) -> dict:
     import jax
     import numpy as np
@@ -49,6 +93,9 @@ def run(args) -> int:
         f"model: {m.num_layers} layers, d_model {m.d_model}, {attn}, mlp {m.mlp_dim}, vocab {m.vocab_size}, "
         f"position {m.position}"
     )
+    notes = architecture_notes(m)
+    if notes:
+        print("architecture: " + "; ".join(notes))
     r = info(config, args.seed)
     print(f"parameters: {r['params']:,}")
     print(f"KV cache: {r['kv_bytes_per_token']:,} bytes per token ({m.dtype})")

@@ -9,9 +9,10 @@ Module map (where to add what):
     mla.py           multi-head latent attention (DeepSeek-V2), through the same kernels
     kv_cache.py      the cache as data with slot positions: groups of layers by layout, plan / update / commit,
                      rollback, quantized storage; a new cache layout changes this file only
-    context.py       AttentionContext, what every layer of one call receives
-    layers.py        projections, RMSNorm, the MLP, parameter init
-    rope.py          rotary embeddings
+    context.py       AttentionContext, what every layer of one call receives (its RoPE tables and mask by layer)
+    layers.py        projections, RMSNorm (w or 1 + w), the gated MLP (SwiGLU / GeGLU), parameter init
+    rope.py          rotary embeddings: scaled inverse frequencies (linear / llama3 / yarn) and per-layer tables
+                     (a local theta, NoPE layers)
     transformer.py   Block, Decoder (embed -> scanned blocks -> logits), ModelOutput
     functional.py    jitted pure entry point over a split model
 """

@@ -4,6 +4,11 @@ num_kv_heads == num_heads is MHA, 1 is MQA, a divisor in between is GQA: the G =
 read their one K/V head through the kernels' grouped einsums, and K/V are cached at the KV-head count, never
 repeated to N heads. What a query sees comes from the mask (mask.py), how it is computed from kernels.py, and where
 K/V live from kv_cache.py; this file only projects and combines.
+
+Per-architecture options (config fields): `qk_norm` normalises each head's q and k (RMSNorm over H) after the
+projection and before RoPE (Qwen3, Gemma 3); `attn_scale` replaces 1/sqrt(H) (Gemma's query_pre_attn_scalar);
+`attn_softcap` caps the scores inside the kernels (Gemma 2); the RoPE tables of each layer come from the context
+(scaled, a local theta, or none on NoPE layers).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from causal_lm.config import ModelConfig
 from causal_lm.model.context import AttentionContext
 from causal_lm.model.kernels import attention
 from causal_lm.model.kv_cache import KVCache
-from causal_lm.model.layers import normal_param, project
+from causal_lm.model.layers import norm, normal_param, project
 from causal_lm.model.rope import apply_rope
 
 
@@ -41,6 +46,9 @@ class Attention(nnx.Module):
             self.wg = normal_param(rngs, (D, N, H), c.init_std, pd)
         if c.attn_sink:
             self.sink = nnx.Param(jnp.zeros((N,), pd))
+        if c.qk_norm:
+            self.q_norm = norm(c, H)
+            self.k_norm = norm(c, H)
 
     def project_q(self, x, cos, sin):
         """Queries for the tokens: [B, T, N, H] (rotated with RoPE)."""
@@ -49,6 +57,8 @@ class Attention(nnx.Module):
         q = project(x, self.wq[...].astype(dt))  # [B, T, N, H]
         if c.qkv_bias:
             q = q + self.bq[...].astype(dt)
+        if c.qk_norm:
+            q = self.q_norm(q)
         if cos is not None:
             q = apply_rope(q, cos, sin)
         return q
@@ -62,6 +72,8 @@ class Attention(nnx.Module):
         if c.qkv_bias:
             k = k + self.bk[...].astype(dt)
             v = v + self.bv[...].astype(dt)
+        if c.qk_norm:
+            k = self.k_norm(k)
         if cos is not None:
             k = apply_rope(k, cos, sin)
         return k, v
@@ -73,14 +85,23 @@ class Attention(nnx.Module):
         and the queries attend over what the cache holds for it (the mask hides empty slots)."""
         c = self.config
         dt = jnp.dtype(c.dtype)
-        q = self.project_q(x, ctx.cos, ctx.sin)  # [B, T, N, H]
-        k, v = self.project_kv(x, ctx.cos, ctx.sin)  # [B, T, K, H]
+        cos, sin = ctx.rope_for(layer)
+        q = self.project_q(x, cos, sin)  # [B, T, N, H]
+        k, v = self.project_kv(x, cos, sin)  # [B, T, K, H]
         if cache is not None:
             cache, kv = cache.update(layer, {"k": k, "v": v}, ctx.plan)
             k, v = kv["k"], kv["v"]  # [B, S, K, H]
         sink = self.sink[...] if c.attn_sink else None
         out, weights = attention(
-            q, k, v, ctx.mask_for(layer), impl=c.attention_impl, sink=sink, return_weights=ctx.return_weights
+            q,
+            k,
+            v,
+            ctx.mask_for(layer),
+            impl=c.attention_impl,
+            scale=c.score_scale,
+            sink=sink,
+            softcap=c.attn_softcap or None,
+            return_weights=ctx.return_weights,
         )  # [B, T, N, H]
         if c.attn_output_gate:
             gate = jax.nn.sigmoid(project(x, self.wg[...].astype(dt)).astype(jnp.float32))

@@ -15,7 +15,9 @@ from causal_lm.model.mask import AttentionMask
 class AttentionContext:
     """The per-call inputs shared by the layers (built once by the decoder, read by each block).
 
-    cos, sin:       [B, T, rope_dim] float32 RoPE tables at the query positions, or None without RoPE.
+    ropes:          the distinct RoPE tables of this call, each (cos, sin) [B, T, rope_dim] float32 at the query
+                    positions, or None for NoPE layers; empty without RoPE.
+    rope_of_layer:  which of `ropes` each layer uses (layers differ in theta or scaling, or skip RoPE).
     masks:          the distinct masks of this call: one per sliding window without a cache, one per cache group
                     (slot layout) with one.
     mask_of_layer:  which of `masks` each layer uses.
@@ -23,12 +25,26 @@ class AttentionContext:
     return_weights: whether layers return their attention weights (the reference kernel then runs).
     """
 
-    cos: jax.Array | None
-    sin: jax.Array | None
     masks: tuple
     mask_of_layer: tuple
     plan: CacheWrite | None = None
     return_weights: bool = False
+    ropes: tuple = ()
+    rope_of_layer: tuple = ()
+
+    def rope_for(self, layer):
+        """(cos, sin) of a layer, or (None, None) for a layer without RoPE; `layer` may be traced (the decoder's
+        scan). A traced index selects among stacked tables, where a NoPE layer's are the identity rotation
+        (cos 1, sin 0: rotating by them returns q and k exactly); a static one skips the rotation."""
+        if not self.ropes:
+            return None, None
+        if len(self.ropes) == 1 or not isinstance(layer, jax.core.Tracer):
+            t = self.ropes[0 if len(self.ropes) == 1 else self.rope_of_layer[layer]]
+            return (None, None) if t is None else t
+        like = next(t for t in self.ropes if t is not None)[0]
+        tables = [(jnp.ones_like(like), jnp.zeros_like(like)) if t is None else t for t in self.ropes]
+        which = jnp.asarray(self.rope_of_layer, jnp.int32)[layer]
+        return jnp.stack([t[0] for t in tables])[which], jnp.stack([t[1] for t in tables])[which]
 
     def mask_for(self, layer) -> AttentionMask:
         """The mask of a layer; `layer` may be a traced index (the decoder's scan over stacked layers)."""

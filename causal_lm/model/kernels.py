@@ -5,8 +5,9 @@ Every kernel computes the same function of (q, k, v, mask):
     out[b, t, n] = sum_s softmax_s(q[b, t, n] . k[b, s, kv(n)] * scale  over visible keys (+ sink)) * v[b, s, kv(n)]
 
 with float32 scores and softmax, a finite large negative for masked scores (a row that sees no key gets zeros, never
-NaN), K/V at the KV-head count (query head n reads KV head n // G: GQA/MQA without repeating K/V), and optional
-per-head sink logits that join the softmax denominator only.
+NaN), K/V at the KV-head count (query head n reads KV head n // G: GQA/MQA without repeating K/V), optional
+per-head sink logits that join the softmax denominator only, and optional tanh softcapping of the scaled scores
+(Gemma 2: softcap * tanh(score / softcap), before the mask).
 
 Shape letters (used in every `# [...]` comment of the package):
     B batch, T query length, S key length, N query heads, K kv heads, G query heads per kv head (N = K*G),
@@ -54,14 +55,18 @@ def grouped_scores(q, k, scale):
     return jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * jnp.float32(scale)
 
 
-def masked_softmax(scores, visible, *, sink=None, zero_after=None):
+def masked_softmax(scores, visible, *, sink=None, zero_after=None, softcap=None):
     """Float32 softmax of scaled scores [B, K, G, T, S] over the visible keys (visible: [B, T, S]).
 
     sink: optional [K*G] logits that join the denominator only. zero_after: optional [B, T, S] multiplied in after
-    the softmax (the "zero after softmax" research variant). Every kernel goes through this one function, so the
-    mask value, the sink and the empty-row rule live in one place.
+    the softmax (the "zero after softmax" research variant). softcap: optional float c, scores -> c * tanh(scores
+    / c) before the mask (a static switch: nothing is computed without it). Every kernel goes through this one
+    function, so the mask value, the sink, the softcap and the empty-row rule live in one place.
     """
     scores = scores.astype(jnp.float32)
+    if softcap:
+        # Before the mask, as Gemma 2 does: capping after it would turn MASK_VALUE into -softcap, a visible score.
+        scores = jnp.tanh(scores / jnp.float32(softcap)) * jnp.float32(softcap)
     _, K, G, _, _ = scores.shape
     vis = visible[:, None, None, :, :]  # [B, 1, 1, T, S]
     # The mask as an additive bias (0 or MASK_VALUE) rather than a select: s + MASK_VALUE rounds to MASK_VALUE for
@@ -96,12 +101,14 @@ def grouped_values(weights, v):
 # ---- the reference ------------------------------------------------------------------------------------------
 
 
-def reference_attention(q, k, v, mask: AttentionMask, *, scale, sink=None):
+def reference_attention(q, k, v, mask: AttentionMask, *, scale, sink=None, softcap=None):
     """The definition: einsums over the dense mask. q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv].
 
     Returns (out [B, T, N, Hv], weights [B, N, T, S] float32)."""
     B, T, N, _ = q.shape
-    weights = masked_softmax(grouped_scores(q, k, scale), mask.visible, sink=sink, zero_after=mask.zero_after)
+    weights = masked_softmax(
+        grouped_scores(q, k, scale), mask.visible, sink=sink, zero_after=mask.zero_after, softcap=softcap
+    )
     return grouped_values(weights, v), weights.reshape(B, N, T, k.shape[1])
 
 
@@ -138,12 +145,14 @@ def _from_heads_major(out):
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, K * G, Hv)
 
 
-def heads_major_attention(q, k, v, mask: AttentionMask, *, scale, sink=None):
+def heads_major_attention(q, k, v, mask: AttentionMask, *, scale, sink=None, softcap=None):
     """Reference maths with Q, K and V transposed once to heads-major order, so the score and value matmuls batch
     over (B, K) with rows T (or S) and columns H contiguous: XLA:CPU runs that form as plain batched matmuls where
     the reference's einsums would transpose inside each one. For many queries (training, prefill)."""
     qh, kh, vh = _heads_major(q, k, v)
-    weights = masked_softmax(_hm_scores(qh, kh, scale), mask.visible, sink=sink, zero_after=mask.zero_after)
+    weights = masked_softmax(
+        _hm_scores(qh, kh, scale), mask.visible, sink=sink, zero_after=mask.zero_after, softcap=softcap
+    )
     return _from_heads_major(_hm_values(weights, vh))
 
 
@@ -158,7 +167,7 @@ def causal_query_block(T: int) -> int:
     return max(64, -(-T // 8))
 
 
-def blocked_causal_attention(q, k, v, mask: AttentionMask, *, scale, sink=None, block: int):
+def blocked_causal_attention(q, k, v, mask: AttentionMask, *, scale, sink=None, softcap=None, block: int):
     """Heads-major attention in query blocks of `block`, each scoring only the keys up to its own end.
 
     Applies when `mask.index_causal`: the keys are the queries' own tokens (S == T) and no key after a query's
@@ -174,7 +183,11 @@ def blocked_causal_attention(q, k, v, mask: AttentionMask, *, scale, sink=None, 
         e = min(i + block, T)  # queries [i, e) see no key at index >= e
         za = None if mask.zero_after is None else mask.zero_after[:, i:e, :e]
         w = masked_softmax(
-            _hm_scores(qh[:, :, :, i:e], kh[:, :, :e], scale), mask.visible[:, i:e, :e], sink=sink, zero_after=za
+            _hm_scores(qh[:, :, :, i:e], kh[:, :, :e], scale),
+            mask.visible[:, i:e, :e],
+            sink=sink,
+            zero_after=za,
+            softcap=softcap,
         )
         outs.append(_hm_values(w, vh[:, :, :e]))
     return _from_heads_major(jnp.concatenate(outs, axis=3))
@@ -183,7 +196,7 @@ def blocked_causal_attention(q, k, v, mask: AttentionMask, *, scale, sink=None, 
 # ---- in place: few queries over a cache ---------------------------------------------------------------------
 
 
-def in_place_attention(q, k, v, mask: AttentionMask, *, scale, sink=None):
+def in_place_attention(q, k, v, mask: AttentionMask, *, scale, sink=None, softcap=None):
     """A few queries (a decode step) over keys in their cache layout [B, S, K, H], read once and in place.
 
     A batched matmul needs its batch axes (b, k) leading, so the heads-major form would first copy the whole layer
@@ -197,7 +210,7 @@ def in_place_attention(q, k, v, mask: AttentionMask, *, scale, sink=None):
         "bqh,bjh->bqj", q.reshape(B, T * N, H), k.reshape(B, S * K, H), preferred_element_type=jnp.float32
     ).reshape(B, T, K, G, S, K)
     scores = jnp.diagonal(pairs, axis1=2, axis2=5).transpose(0, 4, 2, 1, 3) * jnp.float32(scale)  # [B, K, G, T, S]
-    weights = masked_softmax(scores, mask.visible, sink=sink, zero_after=mask.zero_after)
+    weights = masked_softmax(scores, mask.visible, sink=sink, zero_after=mask.zero_after, softcap=softcap)
     w = weights.astype(v.dtype).transpose(0, 3, 1, 2, 4).reshape(B, T * K * G, S)
     vpairs = jnp.einsum("bqs,bsj->bqj", w, v.reshape(B, S, K * Hv)).reshape(B, T, K, G, K, Hv)
     out = jnp.diagonal(vpairs, axis1=2, axis2=4)  # [B, T, G, Hv, K]
@@ -207,11 +220,11 @@ def in_place_attention(q, k, v, mask: AttentionMask, *, scale, sink=None):
 # ---- XLA's fused attention ----------------------------------------------------------------------------------
 
 
-def xla_dot_product_attention(q, k, v, mask: AttentionMask, *, scale, sink=None):
+def xla_dot_product_attention(q, k, v, mask: AttentionMask, *, scale, sink=None, softcap=None):
     """`jax.nn.dot_product_attention` with the dense mask (XLA picks the implementation for the platform).
-    No sink logits and no zero-after-softmax (the config refuses those combinations)."""
-    if sink is not None or mask.zero_after is not None:
-        raise ValueError("jax.nn.dot_product_attention has no sink logit and no zero-after-softmax variant")
+    No sink logits, no softcapping and no zero-after-softmax (the config refuses those combinations)."""
+    if sink is not None or softcap or mask.zero_after is not None:
+        raise ValueError("jax.nn.dot_product_attention has no sink logit, softcapping or zero-after-softmax variant")
     out = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=mask.visible[:, None], scale=scale)
     # A row with no visible key: defined as zeros (the library returns an average of V there).
     return out * jnp.any(mask.visible, axis=-1)[:, :, None, None].astype(out.dtype)
@@ -220,7 +233,9 @@ def xla_dot_product_attention(q, k, v, mask: AttentionMask, *, scale, sink=None)
 # ---- the dispatcher -----------------------------------------------------------------------------------------
 
 
-def attention(q, k, v, mask: AttentionMask, *, impl: str = "xla", scale=None, sink=None, return_weights=False):
+def attention(
+    q, k, v, mask: AttentionMask, *, impl: str = "xla", scale=None, sink=None, softcap=None, return_weights=False
+):
     """Attention output [B, T, N, Hv] and, with return_weights, the weights [B, N, T, S] (else None).
 
     The kernel is chosen from static facts only: the config's implementation family, the number of queries, the
@@ -228,8 +243,8 @@ def attention(q, k, v, mask: AttentionMask, *, impl: str = "xla", scale=None, si
     """
     scale = default_scale(q.shape[-1]) if scale is None else scale
     if return_weights:
-        return reference_attention(q, k, v, mask, scale=scale, sink=sink)
-    return select_kernel(q, k, mask, impl)(q, k, v, mask, scale=scale, sink=sink), None
+        return reference_attention(q, k, v, mask, scale=scale, sink=sink, softcap=softcap)
+    return select_kernel(q, k, mask, impl)(q, k, v, mask, scale=scale, sink=sink, softcap=softcap), None
 
 
 def select_kernel(q, k, mask: AttentionMask, impl: str = "xla"):
@@ -245,8 +260,8 @@ def select_kernel(q, k, mask: AttentionMask, impl: str = "xla"):
     return heads_major_attention
 
 
-def attention_weights(q, k, visible, *, sink=None, zero_after=None, scale=None):
+def attention_weights(q, k, visible, *, sink=None, zero_after=None, scale=None, softcap=None):
     """Softmax attention weights [B, K, G, T, S] float32 of q [B, T, N, H] over k [B, S, K, H] under `visible`
     [B, T, S] (the reference's weights, before they meet V; for probes and tests)."""
     scale = default_scale(q.shape[-1]) if scale is None else scale
-    return masked_softmax(grouped_scores(q, k, scale), visible, sink=sink, zero_after=zero_after)
+    return masked_softmax(grouped_scores(q, k, scale), visible, sink=sink, zero_after=zero_after, softcap=softcap)

@@ -32,33 +32,55 @@ def normal_param(rngs: nnx.Rngs, shape, std, dtype) -> nnx.Param:
     return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype) * jnp.asarray(std, dtype))
 
 
-def rms_norm(x, scale, eps):
-    """x / rms(x) * scale over the last axis, computed in float32 and returned in x's dtype."""
+def rms_norm(x, scale, eps, plus_one: bool = False):
+    """x / rms(x) * scale over the last axis (* (1 + scale) with plus_one, Gemma's form), computed in float32 and
+    returned in x's dtype."""
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * scale.astype(jnp.float32)).astype(x.dtype)
+    gain = scale.astype(jnp.float32)
+    if plus_one:
+        gain = 1.0 + gain
+    return (y * gain).astype(x.dtype)
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, dim: int, eps: float, param_dtype):
+    """RMSNorm with a learned gain `scale`; plus_one (Gemma) applies (1 + scale), so the gain starts at 0."""
+
+    def __init__(self, dim: int, eps: float, param_dtype, plus_one: bool = False):
         self.eps = eps
-        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.plus_one = plus_one
+        self.scale = nnx.Param((jnp.zeros if plus_one else jnp.ones)((dim,), param_dtype))
 
     def __call__(self, x):
-        return rms_norm(x, self.scale[...], self.eps)
+        return rms_norm(x, self.scale[...], self.eps, self.plus_one)
+
+
+def norm(c: ModelConfig, dim: int | None = None) -> RMSNorm:
+    """The config's RMSNorm over `dim` (default d_model)."""
+    return RMSNorm(c.d_model if dim is None else dim, c.norm_eps, jnp.dtype(c.param_dtype), c.norm_scale_plus_one)
+
+
+def gelu_tanh(x):
+    """GELU with the tanh approximation (transformers' gelu_pytorch_tanh, Gemma's MLP)."""
+    return jax.nn.gelu(x, approximate=True)
+
+
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": gelu_tanh}
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(x W_gate) * (x W_up))."""
+    """Gated MLP: down(act(x W_gate) * (x W_up)); act = silu (SwiGLU) or tanh-approximate GELU (GeGLU)."""
 
     def __init__(self, c: ModelConfig, rngs: nnx.Rngs):
         pd = jnp.dtype(c.param_dtype)
         self.dtype = jnp.dtype(c.dtype)
+        self.activation = c.mlp_activation
         self.w_gate = normal_param(rngs, (c.d_model, c.mlp_dim), c.init_std, pd)
         self.w_up = normal_param(rngs, (c.d_model, c.mlp_dim), c.init_std, pd)
         self.w_down = normal_param(rngs, (c.mlp_dim, c.d_model), c.init_std / (2 * c.num_layers) ** 0.5, pd)
 
     def __call__(self, x):
         dt = self.dtype
-        h = jax.nn.silu(project(x, self.w_gate[...].astype(dt))) * project(x, self.w_up[...].astype(dt))  # [B, T, F]
+        act = ACTIVATIONS[self.activation]
+        h = act(project(x, self.w_gate[...].astype(dt))) * project(x, self.w_up[...].astype(dt))  # [B, T, F]
         return project(h, self.w_down[...].astype(dt))

@@ -94,8 +94,9 @@ class MLAttention(nnx.Module):
         """x [B, T, D] -> (out [B, T, D], the cache with this layer's latent written, weights [B, N, T, S] or None)."""
         c = self.config
         dt = jnp.dtype(c.dtype)
-        q_nope, q_rope = self.project_q(x, ctx.cos, ctx.sin)  # [B, T, N, Hn], [B, T, N, Hr]
-        latent, rope_key = self.project_latent(x, ctx.cos, ctx.sin)  # [B, T, R], [B, T, Hr]
+        cos, sin = ctx.rope_for(layer)
+        q_nope, q_rope = self.project_q(x, cos, sin)  # [B, T, N, Hn], [B, T, N, Hr]
+        latent, rope_key = self.project_latent(x, cos, sin)  # [B, T, R], [B, T, Hr]
         if cache is not None:
             cache, kv = cache.update(layer, {"latent": latent, "rope_key": rope_key}, ctx.plan)
             latent, rope_key = kv["latent"], kv["rope_key"]  # [B, S, R], [B, S, Hr]

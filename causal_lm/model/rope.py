@@ -10,16 +10,121 @@ weights load without a permutation.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from causal_lm.config import ModelConfig
 
 
-def rope_tables(positions, rope_dim: int, theta: float):
-    """cos and sin tables for integer positions [B, T] -> two float32 arrays [B, T, rope_dim]."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, rope_dim, 2, dtype=jnp.float32) / rope_dim))  # [rope_dim/2]
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, rope_dim/2]
+def rope_tables(positions, rope_dim: int, theta: float, *, inv_freq=None, attention_factor: float = 1.0):
+    """cos and sin tables for integer positions [B, T] -> two float32 arrays [B, T, rope_dim].
+
+    inv_freq: the rope_dim/2 inverse frequencies (default: plain RoPE, theta ** (-2i / rope_dim)); attention_factor
+    multiplies both tables (YaRN's), as transformers does."""
+    if inv_freq is None:
+        inv_freq = 1.0 / (theta ** (jnp.arange(0, rope_dim, 2, dtype=jnp.float32) / rope_dim))  # [rope_dim/2]
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)  # [B, T, rope_dim/2]
     angles = jnp.concatenate([angles, angles], axis=-1)  # [B, T, rope_dim]
-    return jnp.cos(angles), jnp.sin(angles)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if attention_factor != 1.0:
+        cos, sin = cos * jnp.float32(attention_factor), sin * jnp.float32(attention_factor)
+    return cos, sin
+
+
+# ---- scaled frequencies ---------------------------------------------------------------------------------------
+# Each function mirrors transformers' modeling_rope_utils operation for operation in float32 (python scalars meet
+# float32 arrays as weak scalars, as in torch), so the tables match its own to the last bit or nearly.
+
+
+def _plain_inv_freq(dim: int, theta: float) -> np.ndarray:
+    return (1.0 / (np.float32(theta) ** (np.arange(0, dim, 2).astype(np.float32) / np.float32(dim)))).astype(np.float32)
+
+
+def _llama3_inv_freq(dim, theta, factor, low_freq_factor, high_freq_factor, old_context_len) -> np.ndarray:
+    """Llama 3.1: wavelengths longer than old_context / low_freq_factor are stretched by `factor`, shorter than
+    old_context / high_freq_factor kept, and the band between blended smoothly."""
+    inv_freq = _plain_inv_freq(dim, theta)
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = np.where(wavelen > np.float32(low_freq_wavelen), inv_freq / np.float32(factor), inv_freq)
+    smooth = (old_context_len / wavelen - np.float32(low_freq_factor)) / np.float32(high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * inv_freq_llama / np.float32(factor) + smooth * inv_freq_llama
+    medium = ~(wavelen < np.float32(high_freq_wavelen)) & ~(wavelen > np.float32(low_freq_wavelen))
+    return np.where(medium, smoothed, inv_freq_llama).astype(np.float32)
+
+
+def _yarn_inv_freq(dim, theta, factor, original_max_len, beta_fast, beta_slow, truncate) -> np.ndarray:
+    """YaRN: dims that turn fewer than beta_slow times over the original context are interpolated (divided by
+    `factor`), those that turn more than beta_fast times kept, with a linear ramp between."""
+
+    def correction_dim(rotations):
+        return (dim * math.log(original_max_len / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    pos_freqs = np.float32(theta) ** (np.arange(0, dim, 2).astype(np.float32) / np.float32(dim))
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (np.float32(factor) * pos_freqs)
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolation_factor = 1 - ramp
+    return (interpolation * (1 - extrapolation_factor) + extrapolation * extrapolation_factor).astype(np.float32)
+
+
+def yarn_attention_factor(factor: float) -> float:
+    """YaRN's default multiplier of cos and sin: 0.1 ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+
+
+def inverse_frequencies(c: ModelConfig, kind: str = "rope") -> tuple[np.ndarray, float]:
+    """(inverse frequencies [rope_dim/2] float32, cos/sin multiplier) of a layer kind of `c.layer_ropes`."""
+    dim = c.rope_dim
+    if kind == "local":
+        return _plain_inv_freq(dim, c.rope_local_theta), 1.0
+    t = c.rope_type
+    if t == "linear":
+        return (_plain_inv_freq(dim, c.rope_theta) / np.float32(c.rope_factor)).astype(np.float32), 1.0
+    if t == "llama3":
+        inv = _llama3_inv_freq(
+            dim, c.rope_theta, c.rope_factor, c.rope_low_freq_factor, c.rope_high_freq_factor, c.rope_original_max_len
+        )
+        return inv, 1.0
+    if t == "yarn":
+        inv = _yarn_inv_freq(
+            dim,
+            c.rope_theta,
+            c.rope_factor,
+            c.rope_original_max_len,
+            c.rope_beta_fast,
+            c.rope_beta_slow,
+            c.rope_truncate,
+        )
+        a = c.rope_attention_factor
+        return inv, yarn_attention_factor(c.rope_factor) if a is None else float(a)
+    return _plain_inv_freq(dim, c.rope_theta), 1.0
+
+
+def layer_rope_tables(c: ModelConfig, positions) -> tuple[tuple, tuple]:
+    """(tables, table_of_layer) for one call: the distinct (cos, sin) [B, T, rope_dim] pairs of the layers'
+    rotary embeddings (None for NoPE layers) and which one each layer uses (see AttentionContext.rope_for)."""
+    kinds = tuple(dict.fromkeys(c.layer_ropes))  # distinct, in layer order
+    tables = []
+    for kind in kinds:
+        if kind == "nope":
+            tables.append(None)
+        elif kind == "rope" and c.rope_type == "default":  # plain RoPE, computed as it always was
+            tables.append(rope_tables(positions, c.rope_dim, c.rope_theta))
+        else:
+            inv, factor = inverse_frequencies(c, kind)
+            tables.append(rope_tables(positions, c.rope_dim, c.rope_theta, inv_freq=inv, attention_factor=factor))
+    return tuple(tables), tuple(kinds.index(k) for k in c.layer_ropes)
 
 
 def _rotate_half(y):

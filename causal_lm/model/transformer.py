@@ -1,5 +1,9 @@
 """The decoder: embed -> pre-norm blocks (stacked, scanned) -> final norm -> logits.
 
+Gemma's variations are config fields of the same decoder: `scale_embeddings` (x sqrt(d_model) after the lookup),
+`post_norms` (an RMSNorm on each sublayer's output before the residual add), `norm_scale_plus_one` (every RMSNorm
+multiplies by 1 + w) and `final_softcap` (logits -> c * tanh(logits / c)).
+
 Layers are built once, their parameters stacked along a leading L axis, and run with `lax.scan` so the compiled
 program (and compile time) does not grow with depth. `scan_layers=False` unrolls the same body, and so does a call
 over a cache with several slot layouts (local and global layers: each layout's arrays have their own shapes).
@@ -18,10 +22,10 @@ from causal_lm.config import ModelConfig
 from causal_lm.model.attention import Attention
 from causal_lm.model.context import AttentionContext
 from causal_lm.model.kv_cache import KVCache, check_capacity, require_causal
-from causal_lm.model.layers import MLP, RMSNorm, normal_param, project
+from causal_lm.model.layers import MLP, norm, normal_param, project
 from causal_lm.model.mask import AttentionMask, increasing_within_segments, make_mask, segment_positions
 from causal_lm.model.mla import MLAttention
-from causal_lm.model.rope import rope_tables
+from causal_lm.model.rope import layer_rope_tables
 
 
 class InputError(ValueError):
@@ -41,17 +45,25 @@ class ModelOutput:
 
 class Block(nnx.Module):
     def __init__(self, c: ModelConfig, rngs: nnx.Rngs):
-        pd = jnp.dtype(c.param_dtype)
-        self.attn_norm = RMSNorm(c.d_model, c.norm_eps, pd)
+        self.post_norms = c.post_norms
+        self.attn_norm = norm(c)
         self.attn = MLAttention(c, rngs) if c.attention_type == "mla" else Attention(c, rngs)
-        self.mlp_norm = RMSNorm(c.d_model, c.norm_eps, pd)
+        self.mlp_norm = norm(c)
         self.mlp = MLP(c, rngs)
+        if c.post_norms:
+            self.post_attn_norm = norm(c)
+            self.post_mlp_norm = norm(c)
 
     def __call__(self, x, ctx: AttentionContext, cache: KVCache | None = None, layer=0):
         """x [B, T, D] -> (x, cache, attention weights or None)."""
         h, cache, weights = self.attn(self.attn_norm(x), ctx, cache, layer)
+        if self.post_norms:
+            h = self.post_attn_norm(h)
         x = x + h
-        x = x + self.mlp(self.mlp_norm(x))
+        h = self.mlp(self.mlp_norm(x))
+        if self.post_norms:
+            h = self.post_mlp_norm(h)
+        x = x + h
         return x, cache, weights
 
 
@@ -74,7 +86,7 @@ class Decoder(nnx.Module):
         graphdef, _ = nnx.split(blocks[0])
         stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.state(b) for b in blocks])
         self.blocks = nnx.merge(graphdef, stacked)
-        self.final_norm = RMSNorm(c.d_model, c.norm_eps, pd)
+        self.final_norm = norm(c)
         if not c.tie_embeddings:
             self.lm_head = normal_param(rngs, (c.d_model, c.vocab_size), c.init_std, pd)
 
@@ -190,15 +202,20 @@ class Decoder(nnx.Module):
                 for group, kp in ((g, cache.key_positions(i, plan)) for i, g in enumerate(cache.groups))
             )
             mask_of_layer = tuple(cache.locate(layer)[0] for layer in range(c.num_layers))
-            ctx = AttentionContext(None, None, masks, mask_of_layer, plan=plan)
+            ctx = AttentionContext(masks, mask_of_layer, plan=plan)
 
-        x = self.embed[...].astype(dt)[tokens] if input_embeddings is None else input_embeddings.astype(dt)
+        if input_embeddings is None:
+            x = self.embed[...].astype(dt)[tokens]
+            if c.scale_embeddings:  # sqrt(d_model) rounded to the compute dtype first, as Gemma does
+                x = x * jnp.asarray(np.float32(c.d_model**0.5), dt)
+        else:  # the embedding layer's output (after any scaling)
+            x = input_embeddings.astype(dt)
         if c.position == "learned":
             # Only padding can sit past max_seq_len (real positions are validated above); clamp it explicitly.
             x = x + self.pos_embed[...].astype(dt)[jnp.minimum(positions, c.max_seq_len - 1)]
         if c.position == "rope":
-            cos, sin = rope_tables(positions, c.rope_dim, c.rope_theta)
-            ctx = dataclasses.replace(ctx, cos=cos, sin=sin)
+            ropes, rope_of_layer = layer_rope_tables(c, positions)
+            ctx = dataclasses.replace(ctx, ropes=ropes, rope_of_layer=rope_of_layer)
         ctx = dataclasses.replace(ctx, return_weights=return_weights)
 
         x0 = x
@@ -208,6 +225,8 @@ class Decoder(nnx.Module):
         x = self.final_norm(x)
         head = self.embed[...].T if c.tie_embeddings else self.lm_head[...]
         logits = project(x, head.astype(dt), preferred_element_type=jnp.float32)  # [B, T, V]
+        if c.final_softcap:
+            logits = jnp.tanh(logits / jnp.float32(c.final_softcap)) * jnp.float32(c.final_softcap)
         if cache is not None:
             cache = cache.commit(ctx.plan)
         return ModelOutput(logits=logits, cache=cache, weights=weights, hidden=hidden)
@@ -242,7 +261,7 @@ class Decoder(nnx.Module):
                 zero_after = visible_causal if c.attention_mask == "causal_after_softmax" else None
                 masks.append(AttentionMask(visible, zero_after))
         mask_of_layer = tuple(windows.index(w) for w in c.layer_windows)
-        return positions, AttentionContext(None, None, tuple(masks), mask_of_layer)
+        return positions, AttentionContext(tuple(masks), mask_of_layer)
 
     def split_layers(self) -> list:
         """The stacked blocks' state as a list of L per-layer states, for `forward(..., layers=...)`.
