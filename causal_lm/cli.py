@@ -13,8 +13,10 @@ warnings of ours print as one `note:` / `warning:` line each.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import importlib
+import logging
 import sys
 import warnings
 
@@ -63,7 +65,8 @@ def main(argv=None) -> int:
         parser.print_help()
         return 2
     prefix = f"causal-lm {args.command}"
-    with warnings.catch_warnings():
+    quiet = _QuietOrbaxErrors() if not args.debug else None
+    with warnings.catch_warnings(), quiet or contextlib.nullcontext():
         _show_our_warnings(prefix)
         try:
             return int(args.func(args) or 0)
@@ -83,6 +86,21 @@ def main(argv=None) -> int:
             return status
 
 
+class _QuietOrbaxErrors(logging.Filter):
+    """Orbax logs the traceback of a failed background save or read (through absl's logger) before it re-raises the
+    same error to the caller, where `main` reports it as one error line: drop those records (not with --debug)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and record.exc_info and "orbax" in record.pathname)
+
+    def __enter__(self):
+        logging.getLogger("absl").addFilter(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger("absl").removeFilter(self)
+
+
 def _show_our_warnings(prefix: str) -> None:
     """Print this package's warnings as `PREFIX: note: ...` lines, every time (not once per call site)."""
     from causal_lm.train.notes import Note
@@ -98,6 +116,7 @@ def _show_our_warnings(prefix: str) -> None:
             original(message, category, filename, lineno, file, line)
 
     warnings.showwarning = show
+    warnings.filterwarnings("always", module=r"causal_lm\.")
     warnings.simplefilter("always", Note)
 
 

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import os
 import re
+import sys
+import traceback
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -272,10 +274,17 @@ class Checkpointer:
         except Exception as e:  # includes the deferred error of the previous asynchronous save
             raise self._save_error(e, step) from None
 
-    def _save_error(self, e: Exception, step: int) -> CheckpointError:
+    def _save_error(self, e: Exception, step: int | None) -> CheckpointError:
+        """One line for a failed (possibly asynchronous, so reported one save late) save: which step, the OS's
+        reason when TensorStore gives one (e.g. 'No space left on device'), and what is still on disk."""
+        text = str(e)
+        failed = re.search(r"/(\d+)\.orbax-checkpoint-tmp", text)
+        oserror = re.search(r": ([^:\[\]\"]+?) \[os_error_code='?(\d+)'?\]", text)
+        reason = f"{oserror.group(1)} (errno {oserror.group(2)})" if oserror else _short(e)
+        self.manager.reload()
         steps = self.all_steps()
         return CheckpointError(
-            f"saving a checkpoint in {self.directory} failed (at step {step} or the save before it): {_short(e)}; "
+            f"saving checkpoint {failed.group(1) if failed else step} in {self.directory} failed: {reason}; "
             + (
                 f"the checkpoints already written ({', '.join(map(str, steps))}) are untouched"
                 if steps
@@ -301,6 +310,7 @@ class Checkpointer:
             targets["train_state"] = abstract_train_state
         # Restore each array in the dtype it was saved in (the checksum is of those bits); cast afterwards.
         items = {k: ocp.args.StandardRestore(_abstract(t, saved_arrays.get(k))) for k, t in targets.items()}
+        _quiet_abandoned_reads()
         try:
             out = self.manager.restore(step, args=ocp.args.Composite(**items))
         except Exception as e:
@@ -352,6 +362,35 @@ class Checkpointer:
         self.manager.close()
 
 
+_QUIET = False
+
+
+def _quiet_abandoned_reads() -> None:
+    """When one array of a restore fails to read, orbax re-raises at once and abandons the other reads of that
+    restore mid-flight. As they finish later (in TensorStore's threads, after orbax's event loop has closed) or are
+    garbage-collected, Python reports each through `sys.unraisablehook`: a page of "Event loop is closed" and
+    "Exception ignored in <coroutine _read_array_index_and_device_put>" tracebacks per array, long after the error
+    was reported (or the next checkpoint loaded fine). From the first restore on, exactly those reports are
+    dropped; every other unraisable exception still reaches the previous hook."""
+    global _QUIET
+    if _QUIET:
+        return
+    _QUIET = True
+    previous = sys.unraisablehook
+
+    def hook(u):
+        code = getattr(u.object, "cr_code", None)
+        if code is not None and "orbax" in code.co_filename:
+            return  # an abandoned orbax read coroutine, closed by the garbage collector
+        if isinstance(u.exc_value, RuntimeError) and str(u.exc_value) == "Event loop is closed":
+            frames = traceback.extract_tb(u.exc_traceback)
+            if any(f.name == "call_soon_threadsafe" for f in frames):
+                return  # a TensorStore read finishing after orbax's loop closed
+        previous(u)
+
+    sys.unraisablehook = hook
+
+
 def _read_error(e: BaseException) -> str:
     """What went wrong reading arrays, in one line naming the array: orbax wraps TensorStore's error (e.g.
     'OUT_OF_RANGE: Error reading "blocks.attn.wo/0.0.0.0" in OCDBT database at local file ".../20/params/"')
@@ -391,7 +430,7 @@ def newest_intact(ckpt: Checkpointer, steps: Iterable[int], attempt: Callable[[i
         try:
             out = attempt(s)
         except IntegrityError as e:
-            tried.append(f"  step {s}: {e}")
+            tried.append(f"step {s}: {e}")
             if not os.path.isdir(ckpt.step_dir(s)):  # a training run pruned it: look for newer ones too
                 ckpt.manager.reload()
                 todo = sorted((t for t in ckpt.all_steps() if t not in seen), reverse=True)
@@ -400,10 +439,7 @@ def newest_intact(ckpt: Checkpointer, steps: Iterable[int], attempt: Callable[[i
         if tried:
             note(f"using checkpoint {s} of {workdir!r}, the newest intact one")
         return s, out
-    raise CheckpointError(
-        f"no intact checkpoint in {workdir!r}; "
-        + ("every one was refused:\n" + "\n".join(tried) if tried else "there are none")
-    )
+    raise CheckpointError(f"no intact checkpoint in {workdir!r}: " + ("; ".join(tried) if tried else "there are none"))
 
 
 def check_model_config(meta: dict, config: Config, step: int, directory: str) -> list[str]:
@@ -435,19 +471,19 @@ def check_model_config(meta: dict, config: Config, step: int, directory: str) ->
 # ---- inference -------------------------------------------------------------------------------------------
 
 
-def _candidates(ckpt: Checkpointer, step: None | int | str, workdir: str) -> list[int]:
-    """The steps to try, newest first: all of them for the latest ("latest"/None), else just the one asked for."""
+def _load(ckpt: Checkpointer, step: None | int | str, attempt: Callable[[int], Any], workdir: str):
+    """attempt(s) for the checkpoint `step` names: the newest intact one for None / "latest" (and for "best" when
+    no checkpoint has a validation loss), else exactly the one asked for (its IntegrityError propagates)."""
     steps = ckpt.all_steps()
     if not steps:
         raise CheckpointError(f"no checkpoints in {workdir!r}: train there first (causal-lm train --workdir ...)")
-    if step is None or step == "latest":
-        return sorted(steps, reverse=True)
     if step == "best":
-        best = ckpt.best_step()
-        return [best] if best is not None else sorted(steps, reverse=True)
+        step = ckpt.best_step()
+    if step is None or step == "latest":
+        return newest_intact(ckpt, steps, attempt, workdir)[1]
     if int(step) not in steps:
         raise CheckpointError(f"no checkpoint for step {step} in {workdir!r}; steps: {steps}")
-    return [int(step)]
+    return attempt(int(step))
 
 
 def restore_params(workdir: str, model, step: None | int | str = None):
@@ -460,9 +496,7 @@ def restore_params(workdir: str, model, step: None | int | str = None):
     ckpt = Checkpointer(workdir, read_only=True)
     target = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     try:
-        _, (params, _, meta) = newest_intact(
-            ckpt, _candidates(ckpt, step, workdir), lambda s: ckpt.restore(s, target), workdir
-        )
+        params, _, meta = _load(ckpt, step, lambda s: ckpt.restore(s, target), workdir)
     finally:
         ckpt.close()
     state = nnx.state(model, nnx.Param)
@@ -507,7 +541,7 @@ def load_for_inference(workdir: str, step: None | int | str = None, overrides: I
 
     ckpt = Checkpointer(workdir, read_only=True)
     try:
-        _, (model, tokenizer, config) = newest_intact(ckpt, _candidates(ckpt, step, workdir), attempt, workdir)
+        model, tokenizer, config = _load(ckpt, step, attempt, workdir)
     finally:
         ckpt.close()
     return model, tokenizer, config
