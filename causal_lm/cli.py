@@ -13,7 +13,6 @@ warnings of ours print as one `note:` / `warning:` line each.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import errno
 import importlib
 import logging
@@ -65,8 +64,9 @@ def main(argv=None) -> int:
         parser.print_help()
         return 2
     prefix = f"causal-lm {args.command}"
-    quiet = _QuietOrbaxErrors() if not args.debug else None
-    with warnings.catch_warnings(), quiet or contextlib.nullcontext():
+    if not args.debug:
+        _QuietOrbaxErrors.install()
+    with warnings.catch_warnings():
         _show_our_warnings(prefix)
         try:
             return int(args.func(args) or 0)
@@ -88,17 +88,19 @@ def main(argv=None) -> int:
 
 class _QuietOrbaxErrors(logging.Filter):
     """Orbax logs the traceback of a failed background save or read (through absl's logger) before it re-raises the
-    same error to the caller, where `main` reports it as one error line: drop those records (not with --debug)."""
+    same error to the caller, where `main` reports it as one error line, and its background threads may log more
+    of the same after `main` has returned: drop those records for the rest of the process (not with --debug)."""
+
+    installed = False
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not (record.levelno >= logging.ERROR and record.exc_info and "orbax" in record.pathname)
 
-    def __enter__(self):
-        logging.getLogger("absl").addFilter(self)
-        return self
-
-    def __exit__(self, *exc):
-        logging.getLogger("absl").removeFilter(self)
+    @classmethod
+    def install(cls) -> None:
+        if not cls.installed:
+            logging.getLogger("absl").addFilter(cls())
+            cls.installed = True
 
 
 def _show_our_warnings(prefix: str) -> None:

@@ -447,6 +447,16 @@ def test_unwritable_workdir_is_one_error_line(run, tmp_path, capsys):
     status, lines, _ = _cli(capsys, "convert", "--to-hf", run[0], "--out", str(blocker))
     assert status == 2
     _assert_one_error_line(lines, "convert", "File exists")
+    # A file where checkpoints/ should be: refused before training (orbax would only fail at the first save).
+    workdir = _copy(run, tmp_path)
+    shutil.rmtree(os.path.join(workdir, CHECKPOINT_DIR))
+    with open(os.path.join(workdir, CHECKPOINT_DIR), "w") as f:
+        f.write("not a directory")
+    before = {k: v for k, v in _snapshot(workdir).items() if k != LOCK_FILE}
+    status, lines, _ = _cli(capsys, "train", "--config", "tiny", "--workdir", workdir, *RUN, *QUIET)
+    assert status == 2
+    _assert_one_error_line(lines, "train", f"Not a directory: {os.path.join(workdir, CHECKPOINT_DIR)}")
+    assert {k: v for k, v in _snapshot(workdir).items() if k != LOCK_FILE} == before
 
 
 def _in_mount_namespace(script: str, tmp_path) -> subprocess.CompletedProcess | None:

@@ -30,6 +30,7 @@ Entry points for other code:
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import sys
@@ -119,6 +120,9 @@ class Checkpointer:
         self.directory = os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
         if read_only and not os.path.isdir(self.directory):
             raise CheckpointError(f"no checkpoints in {workdir!r} (expected {self.directory}); train there first")
+        if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+            # orbax would find out at the first save, after the training it was meant to keep
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), self.directory)
         policy = cm.AnyPreservationPolicy(
             [
                 cm.LatestN(keep),

@@ -312,9 +312,10 @@ def _train(
         later = [s for s in ckpt.all_steps() if s > restored]
         if later and restored == t.resume_step:
             if main:
+                which = f"checkpoint{'s' if len(later) > 1 else ''} {', '.join(map(str, later))}"
                 note(
-                    f"discarding checkpoints {', '.join(map(str, later))} of {workdir!r}: train.resume_step="
-                    f"{t.resume_step} resumes from checkpoint {restored}"
+                    f"discarding {which} of {workdir!r}: train.resume_step={t.resume_step} resumes from checkpoint "
+                    f"{restored}"
                 )
             ckpt.delete_after(restored)
         elif later:  # refused as damaged: kept for a person to look at, out of the way of the new saves

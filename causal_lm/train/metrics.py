@@ -112,7 +112,8 @@ class MetricsWriter:
                 note(
                     f"{self.path}: dropped {dropped} record(s) after step {start_step}, "
                     + (
-                        "logged by the interrupted run after its last checkpoint; this run logs those steps again"
+                        "logged after the checkpoint this run resumes from (by a run that was interrupted, or that "
+                        "this one goes back from); this run logs those steps again"
                         if start_step
                         else "left by an earlier run that saved no checkpoint"
                     )
