@@ -59,8 +59,6 @@ from causal_lm.train.state import (
 )
 from causal_lm.train.step import compiled_train_step
 
-__all__ = ["DivergenceError", "NonFiniteLossError", "resolve_config", "train_and_evaluate"]  # errors re-exported
-
 # Settings that change nothing about what is trained: not reported as changed when a run resumes.
 _UNTRACKED = {"train.progress", "train.resume_step"}
 
