@@ -495,6 +495,15 @@ class TrainConfig:
     z_loss: float = 0.0  # coefficient of the auxiliary mean log(Z)^2 term (0 = off), logged as z_loss
     opt_state_dtype: str = "auto"  # optimizer moments' dtype: "auto" = the parameters' dtype, or float32/bfloat16
     profile_steps: str = ""  # "START,END": a jax.profiler trace of steps START..END into workdir/profile ("" = off)
+    # Divergence stops training, and nothing from that step on is saved: a non-finite loss or gradient norm; a
+    # step's loss more than spike_threshold nats AND spike_zscore standard deviations above the mean of the previous
+    # spike_window steps' (once 5 are known); or more than spike_threshold nats above ln(vocab_size) (worse than a
+    # uniform guess; or above the run's first loss, if higher). spike_threshold=0 turns both loss tests off.
+    spike_threshold: float = 1.0
+    spike_zscore: float = 6.0
+    spike_window: int = 50
+    # Resume from this checkpoint step instead of the latest; the later checkpoints are deleted (after saying so).
+    resume_step: int | None = None
 
     def __post_init__(self):
         if isinstance(self.profile_steps, (tuple, list)):  # accept (10, 12) as well as "10,12"
@@ -509,6 +518,7 @@ class TrainConfig:
             "checkpoint_every",
             "keep_checkpoints",
             "eval_batches",
+            "spike_window",
         ):
             v = getattr(self, name)
             _check(isinstance(v, int) and v > 0, f"train.{name} must be a positive integer, got {v!r}")
@@ -541,6 +551,17 @@ class TrainConfig:
                 span[1] <= self.steps,
                 f"train.profile_steps={self.profile_steps} ends after the last step (train.steps={self.steps})",
             )
+        for name in ("learning_rate", "min_lr_ratio", "weight_decay", "beta1", "beta2", "grad_clip", "spike_threshold"):
+            v = getattr(self, name)
+            _check(v == v and abs(v) != float("inf"), f"train.{name} must be a finite number, got {v}")
+        for name in ("beta1", "beta2"):
+            _check(0 <= getattr(self, name) < 1, f"train.{name} must be in [0, 1), got {getattr(self, name)}")
+        _check(self.spike_threshold >= 0, f"train.spike_threshold must be >= 0 (0 = off), got {self.spike_threshold}")
+        _check(self.spike_zscore >= 0, f"train.spike_zscore must be >= 0, got {self.spike_zscore}")
+        _check(
+            self.resume_step is None or (isinstance(self.resume_step, int) and self.resume_step >= 0),
+            f"train.resume_step must be a checkpoint step (>= 0) or none, got {self.resume_step!r}",
+        )
 
     @property
     def profile_range(self) -> tuple[int, int] | None:

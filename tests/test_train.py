@@ -313,7 +313,7 @@ def test_non_finite_loss_halts_naming_the_step_and_saves_nothing_bad(tmp_path, c
     steps = Checkpointer(str(tmp_path), read_only=True).all_steps()
     assert all(s < named for s in steps)
     if checkpoint_every == 1:
-        assert steps and f"latest checkpoint is step {max(steps)}" in str(e.value)
+        assert steps and f"last healthy checkpoint is step {max(steps)}" in str(e.value)
         params, _ = _restore_all(str(tmp_path), max(steps))
         assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
     else:

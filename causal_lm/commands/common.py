@@ -22,3 +22,16 @@ def config_from_args(args):
     from causal_lm.config import load_config
 
     return load_config(args.config, args.overrides)
+
+
+def parse_step(text):
+    """--step: None or 'latest' (the newest intact checkpoint), 'best', or a step number."""
+    if text in (None, "latest", "best"):
+        return text
+    try:
+        step = int(text)
+    except ValueError:
+        raise ValueError(f"--step must be a checkpoint step number, 'latest' or 'best', got {text!r}") from None
+    if step < 0:
+        raise ValueError(f"--step must be a checkpoint step number (>= 0), got {step}")
+    return step

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 import os
 
+from causal_lm.commands.common import parse_step
+
 
 def register(sub):
     p = sub.add_parser(
@@ -170,7 +172,7 @@ def run(args) -> int:
     for name in ("tokenizer", "max_seq_len"):
         if getattr(args, name) is not None:
             raise ValueError(f"--{name.replace('_', '-')} applies to --from-hf / --from-gguf only")
-    step = args.step if args.step in (None, "latest", "best") else int(args.step)
+    step = parse_step(args.step)
     r = convert_to_hf(args.to_hf, args.out, architecture=args.architecture, step=step)
     tok = "with tokenizer.json" if r["tokenizer_json"] else "no tokenizer.json (this tokenizer kind has none)"
     print(f"wrote {r['out']} as {r['architecture']} ({r['params']:,} parameters, {tok})")

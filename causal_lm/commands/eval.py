@@ -53,9 +53,11 @@ def evaluate_workdir(
 
 
 def run(args) -> int:
-    step = args.step
-    if step not in (None, "latest", "best"):
-        step = int(step)
+    from causal_lm.commands.common import parse_step
+
+    step = parse_step(args.step)
+    if args.max_batches < 0:
+        raise ValueError(f"--max-batches must be >= 0 (0 = the whole split), got {args.max_batches}")
     r = evaluate_workdir(args.workdir, args.data, args.split, step, args.max_batches)
     if args.json:
         print(json.dumps(r))

@@ -27,13 +27,27 @@ def register(sub):
     )
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--no-cache", action="store_true", help="recompute the whole sequence every step")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--temperature", type=_finite, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-p", type=_finite, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chunk-size", type=int, default=None, help="prefill the prompt in chunks of this size")
     p.add_argument("--no-stream", action="store_true", help="print the text only at the end")
     p.set_defaults(func=run)
+
+
+def _finite(text: str) -> float:
+    """argparse type: a finite float (float() accepts 'nan' and 'inf', which mean nothing as sampling settings)."""
+    import argparse
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
 
 
 def load_model_and_tokenizer(workdir=None, config_path=None, overrides=()):

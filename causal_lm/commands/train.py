@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 from causal_lm.commands.common import add_config_args, config_from_args
 
 
@@ -45,13 +43,10 @@ def run(args) -> int:
     config = config_from_args(args)
     # Before anything touches a device: connect to the other processes, if there are any.
     initialize_distributed(args.coordinator, args.num_processes, args.process_id, auto=args.distributed)
-    from causal_lm.train import NonFiniteLossError, train_and_evaluate
+    from causal_lm.train import train_and_evaluate
 
-    try:
-        record = train_and_evaluate(config, args.workdir)
-    except NonFiniteLossError as e:
-        print(f"causal-lm train: {e}", file=sys.stderr)
-        return 1
+    # Divergence, a workdir in use or a damaged checkpoint: causal_lm.cli.main turns them into one error line.
+    record = train_and_evaluate(config, args.workdir)
     if record.get("val_loss") is not None and is_main_process():
         print(
             f"done: step {record['step']}, val_loss {record['val_loss']:.4f}, val_ppl {record['val_ppl']:.2f}"

@@ -61,10 +61,16 @@ class ByteTokenizer:
         _write_meta(directory, self.to_dict())
 
 
+class UnknownCharactersWarning(UserWarning):
+    """Text held characters the tokenizer has no id for; they were encoded as its UNK id."""
+
+
 class CharTokenizer:
     """One id per character seen in the training text (sorted), then BOS, EOS, PAD and UNK.
 
-    Characters not in the vocabulary encode to UNK and decode to U+FFFD, so new text never breaks encoding.
+    Characters not in the vocabulary encode to UNK and decode to U+FFFD, so new text never breaks encoding, and
+    never silently: `encode` warns (UnknownCharactersWarning) naming them, and `encode_batch` (the corpus path)
+    warns once per batch of documents.
     """
 
     kind = "char"
@@ -90,7 +96,36 @@ class CharTokenizer:
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
         get, unk = self._index.get, self.unk_id
         ids = [get(c, unk) for c in text]
+        if unk in ids:
+            self._warn_unknown(text, 1)
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """`encode` of each text (no BOS/EOS), with one warning for the whole batch."""
+        get, unk = self._index.get, self.unk_id
+        out = [[get(c, unk) for c in t] for t in texts]
+        hit = [t for t, ids in zip(texts, out, strict=True) if unk in ids]
+        if hit:
+            self._warn_unknown("".join(hit), len(hit))
+        return out
+
+    def unknown_characters(self, text: str) -> list[str]:
+        """The distinct characters of `text` that have no id (in order of first appearance)."""
+        return list(dict.fromkeys(c for c in text if c not in self._index))
+
+    def _warn_unknown(self, text: str, texts: int) -> None:
+        import warnings
+
+        unknown = self.unknown_characters(text)
+        shown = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in unknown[:10])
+        more = f" and {len(unknown) - 10} more" if len(unknown) > 10 else ""
+        where = "the text contains" if texts == 1 else f"{texts} documents contain"
+        warnings.warn(
+            f"{where} {len(unknown)} character(s) the char tokenizer has no id for: {shown}{more}; "
+            f"each was encoded as UNK (id {self.unk_id}), which decodes to U+FFFD",
+            UnknownCharactersWarning,
+            stacklevel=3,
+        )
 
     def decode(self, ids) -> str:
         n = len(self.chars)

@@ -10,17 +10,25 @@ restore_params(workdir, model)             a workdir's weights into a model buil
 from causal_lm.train.checkpoint import (
     Checkpointer,
     CheckpointError,
+    IntegrityError,
     load_for_inference,
     restore_params,
     save_for_inference,
 )
+from causal_lm.train.divergence import DivergenceError, NonFiniteLossError
 from causal_lm.train.evaluate import evaluate, sample_text
-from causal_lm.train.loop import NonFiniteLossError, resolve_config, train_and_evaluate
+from causal_lm.train.lock import WorkdirLockedError
+from causal_lm.train.loop import resolve_config, train_and_evaluate
 from causal_lm.train.metrics import plot_metrics, read_metrics
+from causal_lm.train.notes import Note
 
 __all__ = [
     "CheckpointError",
     "Checkpointer",
+    "IntegrityError",
+    "DivergenceError",
+    "WorkdirLockedError",
+    "Note",
     "load_for_inference",
     "restore_params",
     "save_for_inference",

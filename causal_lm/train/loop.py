@@ -6,9 +6,15 @@ checks the non-finite flag the step keeps on the device (so the halt names the e
 state is never saved), evaluates and samples every `train.eval_every`, and saves every `train.checkpoint_every`
 and at the end.
 
-Rerunning on a workdir that has checkpoints resumes from the latest: parameters, optimizer state, RNG and the
-data iterator's position are restored, metrics.jsonl is cut back to that step, and the run continues exactly as
-if it had never stopped (bitwise on CPU).
+Rerunning on a workdir that has checkpoints resumes from the latest intact one (checksums verified; damaged
+ones are skipped with a note): parameters, optimizer state, RNG and the data iterator's position are restored,
+metrics.jsonl is cut back to that step, and the run continues exactly as if it had never stopped (bitwise on
+CPU). `train.resume_step=N` resumes from checkpoint N instead and deletes the later ones, saying so.
+
+One run per workdir: the run holds an exclusive lock on `workdir/train.lock` (`causal_lm.train.lock`) from
+before it reads anything until it ends. Divergence (`causal_lm.train.divergence`): every step's loss is checked
+at the log step against the recent running statistics, and a spike or a non-finite loss or gradient stops the run
+before anything from that step on is written or saved, naming the last healthy checkpoint.
 
 On several devices (`config.mesh`, see `causal_lm.parallel`) the same loop runs sharded: the state is initialised
 in its shardings, each process feeds the batch rows its devices hold, checkpoints are written and restored shard
@@ -31,9 +37,19 @@ from causal_lm import parallel
 from causal_lm.config import Config, ConfigError, config_to_dict
 from causal_lm.data.pipeline import build_data
 from causal_lm.data.tokenizer import tokenizer_from_dict
-from causal_lm.train.checkpoint import CHECKPOINT_DIR, Checkpointer, check_model_config, write_workdir_files
+from causal_lm.train.checkpoint import (
+    CHECKPOINT_DIR,
+    Checkpointer,
+    CheckpointError,
+    IntegrityError,
+    check_model_config,
+    write_workdir_files,
+)
+from causal_lm.train.divergence import DivergenceError, NonFiniteLossError, SpikeMonitor
 from causal_lm.train.evaluate import evaluate_split, sample_text
+from causal_lm.train.lock import WorkdirLock
 from causal_lm.train.metrics import MetricsWriter, peak_flops, train_flops_per_token
+from causal_lm.train.notes import note
 from causal_lm.train.profile import PROFILE_DIR, StepProfiler
 from causal_lm.train.state import (
     check_optimizer_resume,
@@ -45,9 +61,8 @@ from causal_lm.train.state import (
 )
 from causal_lm.train.step import compiled_train_step
 
-
-class NonFiniteLossError(RuntimeError):
-    """Training produced a non-finite loss, gradient or parameter; nothing from that step on was saved."""
+# Settings that change nothing about what is trained: not reported as changed when a run resumes.
+_UNTRACKED = {"train.progress", "train.resume_step"}
 
 
 def resolve_config(config: Config, tokenizer=None) -> Config:
@@ -136,27 +151,94 @@ def train_and_evaluate(
 
     callback(event, step, info), if given, is called after each "log", "eval" and "checkpoint" event; for a
     checkpoint, info["wait"]() blocks until that save is on disk.
-    Raises ConfigError / DataError / CheckpointError before any compute for bad input, and NonFiniteLossError
-    naming the step when the loss or gradient stops being finite.
+    Raises ConfigError / DataError / CheckpointError before any compute for bad input, WorkdirLockedError when
+    another run holds the workdir, and DivergenceError (NonFiniteLossError for a non-finite loss or gradient)
+    naming the step and the last healthy checkpoint when training diverges.
     """
+    # Only process 0 locks: the other processes of a multi-host run share the workdir on purpose.
+    lock = WorkdirLock(workdir) if parallel.is_main_process() else None
+    if lock is not None:
+        lock.acquire()
+    try:
+        return _locked(config, workdir, callback)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _resume_candidates(workdir: str, config: Config) -> list[int]:
+    """The checkpoint steps a run may resume from, newest first (all of them, or train.resume_step's)."""
+    if not os.path.isdir(os.path.join(workdir, CHECKPOINT_DIR)):
+        if config.train.resume_step is not None:
+            raise ConfigError(f"train.resume_step={config.train.resume_step}: {workdir!r} has no checkpoints")
+        return []
+    reader = Checkpointer(workdir, read_only=True)
+    try:
+        steps = sorted(reader.all_steps(), reverse=True)
+        want = config.train.resume_step
+        if want is None:
+            return steps
+        if want not in steps:
+            raise ConfigError(f"train.resume_step={want}: no checkpoint for that step in {workdir!r}; steps: {steps}")
+        if steps[0] > want:  # rerunning the command that went back to `want` continues instead of going back again
+            try:
+                saved = reader.read_meta(steps[0])["config"]
+            except IntegrityError:
+                saved = None
+            if saved is not None and _setting_changes(saved, config) == []:
+                note(
+                    f"train.resume_step={want} was already applied: checkpoint {steps[0]} was written by a run with "
+                    f"these same settings, so this one resumes from it (change a setting to go back to {want} again)"
+                )
+                return steps
+        return [want]
+    finally:
+        reader.close()
+
+
+def _setting_changes(saved: dict, config: Config) -> list[str]:
+    """'train.learning_rate: 0.01 -> 0.001' for each train/data setting that differs from a checkpoint's config."""
+    now = config_to_dict(config)
+    out = []
+    for sec in ("train", "data"):
+        a, b = saved.get(sec, {}), now[sec]
+        for k in sorted(set(a) | set(b)):
+            if f"{sec}.{k}" not in _UNTRACKED and a.get(k) != b.get(k):
+                out.append(f"{sec}.{k}: {a.get(k)!r} -> {b.get(k)!r}")
+    return out
+
+
+def _locked(config: Config, workdir: str, callback) -> dict:
     # ---- everything that can be wrong with the input fails here, before any compute or any write ----------
-    latest, meta = None, None
-    if os.path.isdir(os.path.join(workdir, CHECKPOINT_DIR)):
+    candidates = _resume_candidates(workdir, config)
+    meta = None
+    if candidates:  # the newest whose metadata verifies decides the tokenizer; its arrays are checked on restore
         reader = Checkpointer(workdir, read_only=True)
         try:
-            latest = reader.latest_step()
-            meta = reader.read_meta(latest) if latest is not None else None
+            for i, s in enumerate(candidates):
+                try:
+                    meta = reader.read_meta(s)
+                except IntegrityError as e:
+                    note(f"{e}: skipped")
+                    continue
+                candidates = candidates[i:]
+                break
+            else:
+                raise CheckpointError(
+                    f"no intact checkpoint to resume from in {workdir!r} (the notes above say why each was refused); "
+                    "train in a new --workdir, or remove the damaged checkpoints to start over"
+                )
         finally:
             reader.close()
     tokenizer = tokenizer_from_dict(meta["tokenizer"]) if meta else None
     data = build_data(config, tokenizer)
     requested_vocab = config.model.vocab_size
     config = resolve_config(config, data.tokenizer)
-    notes = check_model_config(meta, config, latest, workdir) if meta is not None else []
+    notes = check_model_config(meta, config, candidates[0], workdir) if meta is not None else []
     if meta is not None and meta.get("has_train_state"):  # the saved optimizer state must fit this optimizer
-        check_optimizer_resume(meta["config"].get("train", {}), config.train, f"checkpoint {latest} in {workdir}")
-    if meta is not None and meta.get("has_train_state") and meta.get("data_state") is not None:
-        data.train.restore(meta["data_state"])  # the data position: the next batch is the one step latest+1 saw
+        check_optimizer_resume(
+            meta["config"].get("train", {}), config.train, f"checkpoint {candidates[0]} in {workdir}"
+        )
     t, m = config.train, config.model
     prompt_ids = data.tokenizer.encode(t.sample_prompt)
     if t.sample_tokens and len(prompt_ids) >= m.max_seq_len:
@@ -165,16 +247,47 @@ def train_and_evaluate(
             f"model.max_seq_len={m.max_seq_len}"
         )
 
-    os.makedirs(workdir, exist_ok=True)
     ckpt = Checkpointer(workdir, keep=t.keep_checkpoints)
     try:
-        return _train(config, workdir, ckpt, data, latest, meta, notes, requested_vocab, callback)
-    finally:
-        ckpt.close()  # waits for pending asynchronous saves, surfacing their errors
+        result = _train(config, workdir, ckpt, data, candidates, notes, requested_vocab, callback)
+    except BaseException:
+        try:
+            ckpt.close()
+        except Exception:  # a failed pending save matters less than what stopped the run
+            pass
+        raise
+    ckpt.close()  # waits for pending asynchronous saves, surfacing their errors
+    return result
+
+
+def _restore_newest_intact(ckpt: Checkpointer, candidates: list[int], state, tokenizer, workdir: str):
+    """(step, params, train_state or None, meta) of the newest candidate whose arrays verify; damaged ones are
+    skipped with a note. Other errors (a different architecture) are not skipped: they are the user's to fix."""
+    state_target = {k: getattr(state, k) for k in ("opt_state", "step", "rng", "bad_step")}
+    refused = []
+    for s in candidates:
+        try:
+            params, train_state, meta = ckpt.restore(s, state.params, state_target)
+        except IntegrityError as e:
+            refused.append(s)
+            note(f"{e}: skipped")
+            continue
+        if meta["tokenizer"] != tokenizer.to_dict():
+            raise CheckpointError(
+                f"checkpoint {s}, the newest intact one in {workdir!r}, was saved with a different tokenizer than "
+                f"checkpoint {candidates[0]}; resume from a checkpoint explicitly with train.resume_step=N"
+            )
+        if refused:
+            note(f"resuming from checkpoint {s}, the newest intact one (refused: {', '.join(map(str, refused))})")
+        return s, params, train_state, meta
+    raise CheckpointError(
+        f"no intact checkpoint to resume from in {workdir!r} (refused: {', '.join(map(str, refused))}; the notes "
+        "above say why); train in a new --workdir, or remove the damaged checkpoints to start over"
+    )
 
 
 def _train(
-    config: Config, workdir: str, ckpt: Checkpointer, data, latest, meta, notes, requested_vocab, callback
+    config: Config, workdir: str, ckpt: Checkpointer, data, candidates, notes, requested_vocab, callback
 ) -> dict:
     t, m = config.train, config.model
     main = parallel.is_main_process()
@@ -189,16 +302,31 @@ def _train(
         params = state.params
         if jax.process_count() > 1:  # each process reads only the rows its devices hold
             data.train.local_rows = parallel.process_rows(mesh, t.batch_size)
-    start = 0
-    if meta is not None:
-        params, train_state, meta = ckpt.restore(
-            latest, state.params, {k: getattr(state, k) for k in ("opt_state", "step", "rng", "bad_step")}
-        )
+    start, changed = 0, []
+    if candidates:
+        restored, params, train_state, meta = _restore_newest_intact(ckpt, candidates, state, data.tokenizer, workdir)
         if train_state is None:  # an inference-only checkpoint (e.g. a converted model): fine-tune from it
             state = init_train_state(params, optimizer, t.seed)
         else:
             state = dataclasses.replace(state, params=params, **train_state)
             start = int(state.step)
+            if meta.get("data_state") is not None:
+                data.train.restore(meta["data_state"])  # the next batch is the one step start+1 saw
+            changed = _setting_changes(meta["config"], config)
+        later = [s for s in ckpt.all_steps() if s > restored]
+        if later and restored == t.resume_step:
+            if main:
+                which = f"checkpoint{'s' if len(later) > 1 else ''} {', '.join(map(str, later))}"
+                note(
+                    f"discarding {which} of {workdir!r}: train.resume_step={t.resume_step} resumes from checkpoint "
+                    f"{restored}"
+                )
+            ckpt.delete_after(restored)
+        elif later:  # refused as damaged: kept for a person to look at, out of the way of the new saves
+            moved = ckpt.move_aside(later) if main else []
+            if main:
+                note(f"moved the refused checkpoints {', '.join(map(str, later))} to {os.path.dirname(moved[0])}")
+            ckpt.reload()
     place_batch = None
     if mesh is not None:
         state = parallel.shard_tree(state, train_state_shardings(m, t, mesh)[0])
@@ -217,6 +345,8 @@ def _train(
         console.print(
             f"resuming {workdir} from step {start}" + (f" (model config changed: {'; '.join(notes)})" if notes else "")
         )
+    if changed and main:
+        note(f"resuming from step {start} with changed settings (checkpoint -> now): {'; '.join(changed)}")
     console.print(
         f"model: {n_params:,} parameters, {m.num_layers} layers, d_model {m.d_model}, "
         f"{m.attention_label if hasattr(m, 'attention_label') else m.attention_type}, vocab {m.vocab_size} "
@@ -243,6 +373,7 @@ def _train(
     )
 
     writer = MetricsWriter(workdir, start) if main else _NoWriter()
+    monitor = SpikeMonitor(t.spike_threshold, t.spike_zscore, t.spike_window, m.vocab_size)
     step_fn = compiled_train_step(m, t, graphdef, mesh)
     profiler = StepProfiler(t.profile_range, os.path.join(workdir, PROFILE_DIR))
     is_log = _log_steps(t)
@@ -272,20 +403,23 @@ def _train(
             host = jax.device_get(pending)
             bad_step = int(jax.device_get(state.bad_step))
             elapsed = time.perf_counter() - interval_t0
+            first = step - len(host) + 1  # the step of host[0]
+            for i, h in enumerate(host):
+                if bad_step and first + i >= bad_step:
+                    break
+                spike = monitor.check(first + i, float(h["loss"]))
+                if spike:
+                    _diverged(ckpt, workdir, t, first + i, spike, DivergenceError)
             if bad_step:
-                bad = host[bad_step - step + len(host) - 1]
-                ckpt.wait()
-                kept = ckpt.latest_step()
-                raise NonFiniteLossError(
+                bad = host[bad_step - first]
+                _diverged(
+                    ckpt,
+                    workdir,
+                    t,
+                    bad_step,
                     f"non-finite loss or gradient at step {bad_step} (loss={float(bad['loss'])}, "
-                    f"grad_norm={float(bad['grad_norm'])}): training stopped, and nothing from that step on was "
-                    "saved; "
-                    + (
-                        f"the latest checkpoint is step {kept}, which a rerun resumes from"
-                        if kept is not None
-                        else "no checkpoint had been written yet"
-                    )
-                    + ". Lower train.learning_rate or raise train.warmup_steps."
+                    f"grad_norm={float(bad['grad_norm'])})",
+                    NonFiniteLossError,
                 )
             record = {
                 "step": step,
@@ -367,6 +501,33 @@ def _train(
             "val_bpb": val.get("bits_per_byte"),
         }
     return last
+
+
+def _diverged(ckpt: Checkpointer, workdir: str, t, step: int, what: str, error: type) -> None:
+    """Raise `error` for divergence at `step`: nothing from `step` on was written or saved (the check runs before
+    the record and the checkpoint of a log step), so the newest checkpoint, once pending saves are on disk, is the
+    last healthy one."""
+    ckpt.wait()
+    healthy = [s for s in ckpt.all_steps() if s < step]
+    last = max(healthy) if healthy else None
+    lower = f"{t.learning_rate / 10:g}"
+    if last is None:
+        where = "no checkpoint had been written yet"
+        hint = (
+            f"start again in a new --workdir with a lower train.learning_rate (e.g. {lower}) or more train.warmup_steps"
+        )
+    else:
+        where = f"the last healthy checkpoint is step {last}"
+        hint = (
+            f"resume from step {last} with a lower learning rate: rerun with train.resume_step={last} "
+            f"train.learning_rate={lower} (or raise train.warmup_steps)"
+        )
+    raise error(
+        f"training diverged: {what}; training stopped and nothing from step {step} on was saved; {where}",
+        step,
+        last,
+        hint,
+    )
 
 
 def _eval_line(r: dict) -> str:

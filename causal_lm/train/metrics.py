@@ -19,6 +19,7 @@ import time
 import numpy as np
 
 from causal_lm.config import ModelConfig
+from causal_lm.train.notes import note
 from causal_lm.train.state import decays, param_shapes
 
 METRICS_FILE = "metrics.jsonl"
@@ -120,18 +121,45 @@ class MetricsWriter:
     """One JSON object per logged step in `workdir/metrics.jsonl`, and TensorBoard scalars in `workdir/tb`.
 
     On resume from step s, lines for steps > s (written by the interrupted run after its last checkpoint) are
-    dropped so the file reads as one uninterrupted run; TensorBoard is told the same with `purge_step`.
+    dropped so the file reads as one uninterrupted run; TensorBoard is told the same with `purge_step`. Whatever
+    else is off about the history is said in a `Note` and never silently rewritten: a missing file (the history up
+    to s is lost; new records are appended to a new file), a file that ends before step s (the missing steps are
+    named), a partially written last line (a run killed while writing it: ignored) or a damaged line.
     """
 
     def __init__(self, workdir: str, start_step: int = 0, tensorboard: bool = True):
         self.path = os.path.join(workdir, METRICS_FILE)
         if os.path.exists(self.path):
-            kept = [r for r in read_metrics(workdir) if r.get("step", 0) <= start_step]
+            records = read_metrics(workdir, _notes_for="resuming")
+            kept = [r for r in records if r.get("step", 0) <= start_step]
+            dropped = len(records) - len(kept)
+            if dropped:
+                note(
+                    f"{self.path}: dropped {dropped} record(s) after step {start_step}, "
+                    + (
+                        "logged after the checkpoint this run resumes from (by a run that was interrupted, or that "
+                        "this one goes back from); this run logs those steps again"
+                        if start_step
+                        else "left by an earlier run that saved no checkpoint"
+                    )
+                )
+            last = max((r.get("step", 0) for r in kept), default=0)
+            if start_step and last < start_step:
+                note(
+                    f"{self.path} ends at step {last} but the run resumes from step {start_step}: the records of "
+                    f"steps {last + 1}..{start_step} are missing (the file was truncated); new records are appended "
+                    "from there"
+                )
             tmp = self.path + ".tmp"
             with open(tmp, "w") as f:
                 for r in kept:
                     f.write(json.dumps(r) + "\n")
             os.replace(tmp, self.path)
+        elif start_step:
+            note(
+                f"{self.path} is missing: the history up to step {start_step} is lost; the records from step "
+                f"{start_step + 1} on go to a new file"
+            )
         self._f = open(self.path, "a")
         self._tb = None
         if tensorboard:
@@ -159,18 +187,33 @@ class MetricsWriter:
             self._tb.close()
 
 
-def read_metrics(workdir: str) -> list[dict]:
-    """The records of `workdir/metrics.jsonl` (a torn last line from a killed process is skipped)."""
+def read_metrics(workdir: str, *, _notes_for: str = "reading") -> list[dict]:
+    """The records of `workdir/metrics.jsonl`. A partially written last line (a run killed while writing it) and
+    lines that are not JSON records are skipped, each with a `Note`."""
     path = os.path.join(workdir, METRICS_FILE)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path} does not exist: has training run in {workdir!r}?")
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.read().split("\n")
+    torn = lines.pop() if lines else ""  # after the last newline: "" unless the last write was cut short
     out = []
-    with open(path) as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:
+            r = None
+        if not isinstance(r, dict) or not isinstance(r.get("step"), int):
+            note(f"{path}: line {i} is not a metrics record and was skipped: {line[:60]!r}", stacklevel=4)
+            continue
+        out.append(r)
+    if torn.strip():
+        what = "it is dropped" if _notes_for == "resuming" else "it is ignored"
+        note(
+            f"{path}: the last line was only partly written (a run killed while writing it): {what}: {torn[:60]!r}",
+            stacklevel=4,
+        )
     return out
 
 
