@@ -1,13 +1,16 @@
 """`causal-lm <command>`: a thin argparse front over importable functions.
 
-Each command lives in `causal_lm/commands/<name>.py` with a `register(subparsers)` that adds its parser and
-sets `func`; adding a command is one line in COMMANDS.
+Each command lives in `causal_lm/commands/<name>.py` with a `register(subparsers)` that adds its parser and sets
+`func`; adding a command is one line in COMMANDS. Only the chosen command's module is imported (the others appear
+in `--help` by their one-line summary), so `causal-lm kv-bytes` or `causal-lm --help` does not pay for importing
+the training stack.
 
-`main()` is the one place that turns exceptions into exit statuses: a failure the user can cause and fix (a bad
-config, a missing or damaged file, a read-only or full disk, a workdir in use, a diverged run) is one
-`causal-lm CMD: error: ...` line, maybe a `hint:` line, and a non-zero status; anything else is a bug and keeps
-its traceback. `--debug` shows the traceback of every error. Notes (`causal_lm.train.notes.Note`) and other
-warnings of ours print as one `note:` / `warning:` line each.
+`main()` turns on JAX's persistent compilation cache (`causal_lm.compile_cache`: a second run with the same shapes
+loads its compiled programs from disk) and is the one place that turns exceptions into exit statuses: a failure
+the user can cause and fix (a bad config, a missing or damaged file, a read-only or full disk, a workdir in use, a
+diverged run) is one `causal-lm CMD: error: ...` line, maybe a `hint:` line, and a non-zero status; anything else
+is a bug and keeps its traceback. `--debug` shows the traceback of every error. Notes (`causal_lm.notes.Note`)
+and other warnings of ours print as one `note:` / `warning:` line each.
 """
 
 from __future__ import annotations
@@ -19,33 +22,50 @@ import logging
 import sys
 import warnings
 
-COMMANDS = [
-    "causal_lm.commands.info",
-    "causal_lm.commands.generate",
-    "causal_lm.commands.train",
-    "causal_lm.commands.eval",
-    "causal_lm.commands.plot",
-    "causal_lm.commands.kv_bytes",
-    "causal_lm.commands.experiment",
-    "causal_lm.commands.convert",
-    "causal_lm.commands.bench",
-]
+from causal_lm import compile_cache
+from causal_lm.notes import Note
+
+# name -> (module, one-line summary for `causal-lm --help`)
+COMMANDS = {
+    "info": ("causal_lm.commands.info", "build a model, print parameter count and KV bytes/token, run a forward pass"),
+    "generate": ("causal_lm.commands.generate", "generate text with or without the KV cache, streaming, with tokens/s"),
+    "train": ("causal_lm.commands.train", "train a model (resumes when the workdir has checkpoints)"),
+    "eval": ("causal_lm.commands.eval", "evaluate a workdir's checkpoint on held-out text"),
+    "plot": ("causal_lm.commands.plot", "plot a workdir's loss curves to a PNG"),
+    "kv-bytes": ("causal_lm.commands.kv_bytes", "KV-cache bytes per token and at a context length"),
+    "experiment": ("causal_lm.commands.experiment", "run a seed experiment: report.md, a PNG figure and results.json"),
+    "convert": ("causal_lm.commands.convert", "Hugging Face folders and GGUF files to a workdir, and back"),
+    "bench": ("causal_lm.commands.bench", "training / decoding throughput vs transformers (PyTorch) and the machine"),
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser, with the full sub-parser of `command` (all commands' when None) and the others as summaries."""
     parser = argparse.ArgumentParser(
         prog="causal-lm",
         description="Small decoder-only language models in JAX/Flax: train, generate, compare cache vs recompute.",
     )
+    parser.add_argument("--debug", action="store_true", help="show the Python traceback of any error")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMANDS:
-        importlib.import_module(name).register(sub)
+    for name, (module, summary) in COMMANDS.items():
+        if command is None or name == command:
+            importlib.import_module(module).register(sub)
+        else:
+            sub.add_parser(name, help=summary)
     return parser
 
 
+def _command_name(argv) -> str | None:
+    """The command named on the command line (the first argument that is not an option), if it is one of ours."""
+    name = next((a for a in argv if not a.startswith("-")), None)
+    return name if name in COMMANDS else None
+
+
 def main(argv=None) -> int:
-    parser = build_parser()
-    parser.add_argument("--debug", action="store_true", help="show the Python traceback of any error")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    name = _command_name(argv)
+    # Without a known command there is nothing to parse but --help or an error: the summaries suffice.
+    parser = build_parser(name) if name else _summary_parser()
     args, extra = parser.parse_known_args(argv)
     if "--debug" in extra:  # also accepted after the command's name
         extra = [e for e in extra if e != "--debug"]
@@ -64,6 +84,7 @@ def main(argv=None) -> int:
         parser.print_help()
         return 2
     prefix = f"causal-lm {args.command}"
+    compile_cache.enable()
     if not args.debug:
         _QuietOrbaxErrors.install()
     with warnings.catch_warnings():
@@ -86,6 +107,11 @@ def main(argv=None) -> int:
             return status
 
 
+def _summary_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every command as a one-line summary (nothing imported)."""
+    return build_parser(command="")
+
+
 class _QuietOrbaxErrors(logging.Filter):
     """Orbax logs the traceback of a failed background save or read (through absl's logger) before it re-raises the
     same error to the caller, where `main` reports it as one error line, and its background threads may log more
@@ -105,8 +131,6 @@ class _QuietOrbaxErrors(logging.Filter):
 
 def _show_our_warnings(prefix: str) -> None:
     """Print this package's warnings as `PREFIX: note: ...` lines, every time (not once per call site)."""
-    from causal_lm.train.notes import Note
-
     original = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
@@ -134,14 +158,11 @@ _OS_HINTS = {
 
 
 def user_error(e: BaseException) -> tuple[str, str, int] | None:
-    """(message, hint, exit status) for an exception a user can cause and fix; None for a bug."""
-    from causal_lm.train.divergence import DivergenceError
-    from causal_lm.train.lock import WorkdirLockedError
+    """(message, hint, exit status) for an exception a user can cause and fix; None for a bug.
 
-    if isinstance(e, DivergenceError):
-        return str(e), e.hint, 1
-    if isinstance(e, WorkdirLockedError):
-        return str(e), "", 3
+    Errors that carry their own `exit_status` (a diverged run: 1, a workdir in use: 3) keep it."""
+    if isinstance(getattr(e, "exit_status", None), int):
+        return str(e), getattr(e, "hint", ""), e.exit_status
     if isinstance(e, OSError):  # FileNotFoundError, PermissionError, read-only or full disk, ...
         what = e.strerror or str(e)
         where = f": {e.filename}" if e.filename else ""

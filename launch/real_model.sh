@@ -55,7 +55,7 @@ echo
 echo "== SmolLM2, recomputing the whole sequence every step:"
 chat "$LOGS/recomputed" --no-cache
 echo
-echo "== decoding speed, side by side (the first call of each, which compiles, is not timed)"
+echo "== decoding speed, side by side (a second, quiet call of each, timed after the one that compiled and streamed)"
 awk '
   /^\[kv cache\]/ { c_tok = $3; c_s = $6; c_rate = $8; c_kv = $NF }
   /^\[recompute\]/ { r_tok = $2; r_s = $5; r_rate = $7; r_kv = $NF }

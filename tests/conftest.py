@@ -23,6 +23,8 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+import gc  # noqa: E402
+
 import pytest  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,3 +33,39 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="session")
 def repo_root():
     return ROOT
+
+
+MAPS_LIMIT = 30_000  # well below the kernel's default vm.max_map_count of 65,530
+
+
+def _memory_maps() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux: no such limit to watch
+        return 0
+
+
+def _release():
+    jax.clear_caches()
+    gc.collect()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs_per_module():
+    """Drop every compiled program when a test module is done (modules share none).
+
+    XLA:CPU maps each compiled executable's code and data into the process; a whole suite in one process compiles
+    thousands, and past the kernel's limit on memory mappings (vm.max_map_count, 65,530 by default) the next compile
+    crashes the process with a segmentation fault. Clearing JAX's caches lets the executables be freed."""
+    yield
+    _release()
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs_when_many():
+    """The same within a module that compiles very many programs (eager kernels, the variant grids): when the
+    process holds more than MAPS_LIMIT mappings after a test."""
+    yield
+    if _memory_maps() > MAPS_LIMIT:
+        _release()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+from causal_lm.bench import bench_decode, bench_train, format_decode, format_train
 from causal_lm.commands.common import add_config_args, config_from_args
 
 
@@ -69,8 +70,6 @@ def _ints(text: str) -> tuple:
 
 
 def run_train(args) -> int:
-    from causal_lm.bench import bench_train, format_train
-
     r = bench_train(
         config_from_args(args),
         steps=args.steps,
@@ -85,8 +84,6 @@ def run_train(args) -> int:
 
 
 def run_decode(args) -> int:
-    from causal_lm.bench import bench_decode, format_decode
-
     r = bench_decode(
         config_from_args(args),
         contexts=_ints(args.contexts),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from causal_lm.config import load_config
+
 
 def add_config_args(p, *, default_config: str | None = "small"):
     p.add_argument(
@@ -19,8 +21,6 @@ def add_config_args(p, *, default_config: str | None = "small"):
 
 
 def config_from_args(args):
-    from causal_lm.config import load_config
-
     return load_config(args.config, args.overrides)
 
 

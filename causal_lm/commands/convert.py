@@ -14,6 +14,11 @@ import json
 import os
 
 from causal_lm.commands.common import parse_step
+from causal_lm.config import Config, DataConfig, TrainConfig
+from causal_lm.data.tokenizer import HFTokenizer
+from causal_lm.interop.gguf import ARCHITECTURES, load_gguf
+from causal_lm.interop.hf import HFFormatError, load_hf, read_hf_config, save_hf
+from causal_lm.train.checkpoint import load_for_inference, save_for_inference
 
 
 def register(sub):
@@ -64,8 +69,6 @@ def register(sub):
 
 def _save_converted(workdir: str, model, tokenizer) -> str:
     """Write a converted model and its tokenizer as a checkpoint of `workdir` (generate, eval, train read it)."""
-    from causal_lm.config import Config, DataConfig, TrainConfig
-    from causal_lm.train.checkpoint import save_for_inference
 
     mc = model.config
     # Training-side settings only matter if the workdir is fine-tuned later: a context that fits the model, and
@@ -80,8 +83,6 @@ def convert_from_hf(
     hf_dir: str, workdir: str, *, tokenizer_path=None, dtype: str = "float32", max_seq_len=None
 ) -> dict:
     """Read `hf_dir` with load_hf and write it as a checkpoint of `workdir`. Returns a summary dict."""
-    from causal_lm.data.tokenizer import HFTokenizer
-    from causal_lm.interop.hf import HFFormatError, load_hf, read_hf_config
 
     model, tokenizer = load_hf(hf_dir, param_dtype=dtype, max_seq_len=max_seq_len)
     if tokenizer_path is not None:
@@ -107,8 +108,6 @@ def convert_from_gguf(
     gguf_file: str, workdir: str, *, tokenizer_path=None, dtype: str = "float32", max_seq_len=None
 ) -> dict:
     """Read a GGUF file with load_gguf and write it as a checkpoint of `workdir`. Returns a summary dict."""
-    from causal_lm.data.tokenizer import HFTokenizer
-    from causal_lm.interop.gguf import ARCHITECTURES, load_gguf
 
     model, tokenizer = load_gguf(
         gguf_file, param_dtype=dtype, max_seq_len=max_seq_len, load_tokenizer=tokenizer_path is None
@@ -129,8 +128,6 @@ def convert_from_gguf(
 
 def convert_to_hf(workdir: str, out_dir: str, *, architecture=None, step=None) -> dict:
     """Write `workdir`'s checkpoint as a Hugging Face folder with save_hf. Returns a summary dict."""
-    from causal_lm.interop.hf import save_hf
-    from causal_lm.train.checkpoint import load_for_inference
 
     model, tokenizer, _ = load_for_inference(workdir, step)
     save_hf(model, tokenizer, out_dir, architecture=architecture)

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+
+from causal_lm.commands.common import parse_step
+from causal_lm.data import build_data
+from causal_lm.train import evaluate, load_for_inference
 
 
 def register(sub):
@@ -35,10 +40,6 @@ def evaluate_workdir(
     workdir: str, data: str | None = None, split: str = "val", step=None, max_batches: int = 0
 ) -> dict:
     """The metrics `causal-lm eval` prints, as a dict."""
-    import itertools
-
-    from causal_lm.data import build_data
-    from causal_lm.train import evaluate, load_for_inference
 
     model, tokenizer, config = load_for_inference(workdir, step)
     splits = build_data(config, tokenizer, corpus=data, max_val_batches=max_batches)
@@ -53,8 +54,6 @@ def evaluate_workdir(
 
 
 def run(args) -> int:
-    from causal_lm.commands.common import parse_step
-
     step = parse_step(args.step)
     if args.max_batches < 0:
         raise ValueError(f"--max-batches must be >= 0 (0 = the whole split), got {args.max_batches}")

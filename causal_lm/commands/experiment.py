@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from causal_lm.config import apply_overrides, load_config
+from causal_lm.experiments import EXPERIMENTS, get
+
 
 def register(sub):
-    from causal_lm.experiments import EXPERIMENTS
-
     p = sub.add_parser(
         "experiment",
         help="run a seed experiment: report.md, a PNG figure and results.json",
@@ -20,9 +21,6 @@ def register(sub):
 
 
 def run(args) -> int:
-    from causal_lm.config import apply_overrides, load_config
-    from causal_lm.experiments import get
-
     exp = get(args.name)
     config = load_config(args.config) if args.config else exp.default_config()
     config = apply_overrides(config, args.overrides)

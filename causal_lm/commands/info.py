@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import time
 
+import jax
+import numpy as np
+
 from causal_lm.commands.common import add_config_args, config_from_args
+from causal_lm.model import build_model
+from causal_lm.model.functional import forward
+from causal_lm.model.rope import yarn_attention_factor
 
 
 def register(sub):
@@ -25,8 +31,6 @@ def architecture_notes(m) -> list[str]:
         if m.rope_type == "llama3":
             detail += f", low/high freq factors {m.rope_low_freq_factor:g}/{m.rope_high_freq_factor:g}"
         if m.rope_type == "yarn":
-            from causal_lm.model.rope import yarn_attention_factor
-
             a = yarn_attention_factor(m.rope_factor) if m.rope_attention_factor is None else m.rope_attention_factor
             detail += f", beta fast/slow {m.rope_beta_fast:g}/{m.rope_beta_slow:g}, attention factor {a:.4g}"
         where = " on the global layers" if m.rope_local_theta is not None else ""
@@ -59,11 +63,6 @@ def architecture_notes(m) -> list[str]:
 
 
 def info(config, seed: int = 0) -> dict:
-    import jax
-    import numpy as np
-
-    from causal_lm.model import build_model
-    from causal_lm.model.functional import forward
 
     m = config.model
     model = build_model(m, seed=seed)

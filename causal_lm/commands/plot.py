@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from causal_lm.train.metrics import plot_metrics
+
 
 def register(sub):
     p = sub.add_parser(
@@ -15,7 +17,5 @@ def register(sub):
 
 
 def run(args) -> int:
-    from causal_lm.train.metrics import plot_metrics
-
     print(plot_metrics(args.workdir, args.out))
     return 0

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from causal_lm.commands.common import add_config_args, config_from_args
+from causal_lm.parallel import initialize_distributed, is_main_process
+from causal_lm.train import train_and_evaluate
 
 
 def register(sub):
@@ -38,12 +40,9 @@ def register(sub):
 
 
 def run(args) -> int:
-    from causal_lm.parallel import initialize_distributed, is_main_process
-
     config = config_from_args(args)
     # Before anything touches a device: connect to the other processes, if there are any.
     initialize_distributed(args.coordinator, args.num_processes, args.process_id, auto=args.distributed)
-    from causal_lm.train import train_and_evaluate
 
     # Divergence, a workdir in use or a damaged checkpoint: causal_lm.cli.main turns them into one error line.
     record = train_and_evaluate(config, args.workdir)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import codecs
 import json
 import os
+import warnings
 from collections.abc import Iterable
 
 import numpy as np
@@ -114,7 +115,6 @@ class CharTokenizer:
         return list(dict.fromkeys(c for c in text if c not in self._index))
 
     def _warn_unknown(self, text: str, texts: int) -> None:
-        import warnings
 
         unknown = self.unknown_characters(text)
         shown = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in unknown[:10])

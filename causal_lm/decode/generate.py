@@ -27,13 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import io_callback
 
 from causal_lm import parallel
 from causal_lm.decode.prefill import compile_count, count_trace, last_valid_logits, prefill, shard_cache
 from causal_lm.decode.sampling import sample
-from causal_lm.decode.speculative import speculative_jit
-from causal_lm.decode.streaming import STREAMS
+from causal_lm.decode.speculative import speculative_resume_jit, speculative_start_jit
+from causal_lm.decode.streaming import StreamReporter
 from causal_lm.model.kv_cache import CACHE_DTYPES, init_cache, require_causal
 from causal_lm.model.transformer import Decoder
 
@@ -88,22 +87,90 @@ def bucket_length(n: int, minimum: int = 8) -> int:
     return b
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "graphdef",
-        "prompt_len",
-        "chunk",
-        "max_new",
-        "use_cache",
-        "return_logits",
-        "cache_dtype",
-        "stream",
-        "num_samples",
-        "mesh",
-    ),
-)
-def _generate_jit(
+_STATIC = ("graphdef", "prompt_len", "max_new", "use_cache", "return_logits", "num_samples", "mesh")
+
+
+def _advance_fn(model, use_cache: bool, total: int, mesh):
+    """The loop's model step: (state, tokens [B], active [B]) -> (logits [B, V], state, K/V computed per row)."""
+    if use_cache:
+        # Each layer's weights sliced out of the stacked arrays once per program: the loop's steps then read them
+        # in place instead of copying every layer's weights out of the stack at every step.
+        layers = model.split_layers()
+
+        def advance(cache, tok, active):
+            """One token per active row through the cache."""
+            seg = active[:, None].astype(jnp.int32)
+            logits, cache = model(tok[:, None], segment_ids=seg, cache=cache, layers=layers)
+            return logits[:, 0], shard_cache(cache, mesh), active.astype(jnp.int32)
+
+        return advance
+
+    def advance(rs: RecomputeState, tok, active):
+        """Append each active row's token and recompute every row's whole sequence (every K/V again)."""
+        col = jnp.where(active, rs.lengths, total)  # finished rows: dropped
+        buf = jax.vmap(lambda row, i, t: row.at[i].set(t, mode="drop"))(rs.tokens, col, tok)
+        rs = RecomputeState(buf, rs.lengths + active.astype(jnp.int32))
+        return _recompute_logits(model, rs), rs, jnp.where(active, rs.lengths, 0)
+
+    return advance
+
+
+def _recompute_logits(model, rs: RecomputeState):
+    """The model over every row's whole sequence so far: logits [B, V] at each row's last token."""
+    positions = jnp.arange(rs.tokens.shape[1], dtype=jnp.int32)
+    seg = (positions[None, :] < rs.lengths[:, None]).astype(jnp.int32)
+    logits, _ = model(rs.tokens, segment_ids=seg)
+    return last_valid_logits(logits, rs.lengths - 1)
+
+
+def _run(
+    model, s: DecodeState, key, temperature, top_k, top_p, stop_ids, until, *, use_cache, total, return_logits, mesh
+) -> DecodeState:
+    """Decode until every row is done or `until` tokens are out (a traced count: max_new_tokens, or where a
+    streaming caller pauses to show what came so far)."""
+    advance = _advance_fn(model, use_cache, total, mesh)
+
+    def cond(s: DecodeState):
+        return (s.step < until) & ~jnp.all(s.done)
+
+    def body(s: DecodeState) -> DecodeState:
+        active = ~s.done
+        logits, model_state, kv_step = advance(s.model_state, s.token, active)
+        new_tok = sample(logits, jax.random.fold_in(key, s.step), temperature, top_k, top_p)
+        new_tok = jnp.where(s.done, s.token, new_tok)
+        s = dataclasses.replace(s, model_state=model_state, kv_computed=s.kv_computed + kv_step)
+        return _emit(s, new_tok, logits, stop_ids, return_logits)
+
+    return jax.lax.while_loop(cond, body, s)
+
+
+def _emit(s: DecodeState, tok, logits, stop_ids, return_logits: bool) -> DecodeState:
+    """Record the step's token (-1 for rows already finished) and, when asked, its logits."""
+    out_logits = s.out_logits.at[:, s.step].set(logits) if return_logits else s.out_logits
+    done = s.done | jnp.isin(tok, stop_ids)
+    shown = jnp.where(s.done, -1, tok)
+    return dataclasses.replace(
+        s, step=s.step + 1, token=tok, done=done, out=s.out.at[:, s.step].set(shown), out_logits=out_logits
+    )
+
+
+def _replicate_out(s: DecodeState, mesh) -> DecodeState:
+    """On a mesh, the tokens and logits come back replicated, so every process of a multi-host run can read them."""
+    if mesh is None:
+        return s
+    rep = parallel.replicated(mesh)
+    return dataclasses.replace(
+        s,
+        out=jax.lax.with_sharding_constraint(s.out, rep),
+        out_logits=jax.lax.with_sharding_constraint(s.out_logits, rep),
+        kv_computed=jax.lax.with_sharding_constraint(s.kv_computed, rep),
+        step=jax.lax.with_sharding_constraint(s.step, rep),
+        done=jax.lax.with_sharding_constraint(s.done, rep),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "chunk", "cache_dtype"))
+def _start_jit(
     state,
     tokens,
     lengths,
@@ -112,8 +179,7 @@ def _generate_jit(
     top_k,
     top_p,
     stop_ids,
-    stream_id,
-    limit,
+    until,
     *,
     graphdef,
     prompt_len,
@@ -122,21 +188,17 @@ def _generate_jit(
     use_cache,
     return_logits,
     cache_dtype,
-    stream,
     num_samples=1,
     mesh=None,
-):
+) -> DecodeState:
+    """Prefill (or the first recompute), the first token, then decode until `until` tokens are out."""
     count_trace()
     model = nnx.merge(graphdef, state)
     c = model.config
     B = tokens.shape[0] * num_samples
-    # Each layer's weights sliced out of the stacked arrays once, here: the decode loop's steps then read them
-    # in place instead of copying every layer's weights out of the stack at every step.
-    layers = model.split_layers()
     total = prompt_len + max_new
     # the prompt: computed once per prompt on the cached path (counted on its first sample's row)
     first_sample = (jnp.arange(B) % num_samples == 0) | (not use_cache)
-
     if use_cache:
         cache = shard_cache(init_cache(c, tokens.shape[0], total, cache_dtype), mesh)
         model_state, first_logits = prefill(model, tokens, lengths, chunk, cache, mesh)
@@ -144,45 +206,11 @@ def _generate_jit(
             model_state = shard_cache(model_state.repeat_rows(num_samples), mesh)
             first_logits = jnp.repeat(first_logits, num_samples, axis=0)
             lengths = jnp.repeat(lengths, num_samples, axis=0)
-
-        def advance(cache, tok, active):
-            """One token per active row through the cache: (logits [B, V], cache, K/V computed per row)."""
-            seg = active[:, None].astype(jnp.int32)
-            logits, cache = model(tok[:, None], segment_ids=seg, cache=cache, layers=layers)
-            return logits[:, 0], shard_cache(cache, mesh), active.astype(jnp.int32)
     else:
         if num_samples > 1:  # nothing to share without a cache: every sample recomputes its prompt
             tokens, lengths = jnp.repeat(tokens, num_samples, axis=0), jnp.repeat(lengths, num_samples, axis=0)
-        positions = jnp.arange(total, dtype=jnp.int32)
-
-        def full(rs: RecomputeState):
-            """The model over every row's whole sequence so far: logits [B, V] at each row's last token."""
-            seg = (positions[None, :] < rs.lengths[:, None]).astype(jnp.int32)
-            logits, _ = model(rs.tokens, segment_ids=seg)
-            return last_valid_logits(logits, rs.lengths - 1)
-
         model_state = RecomputeState(jnp.zeros((B, total), jnp.int32).at[:, :prompt_len].set(tokens), lengths)
-        first_logits = full(model_state)
-
-        def advance(rs: RecomputeState, tok, active):
-            """Append each active row's token and recompute: (logits, state, K/V computed per row: all of them)."""
-            col = jnp.where(active, rs.lengths, total)  # finished rows: dropped
-            buf = jax.vmap(lambda row, i, t: row.at[i].set(t, mode="drop"))(rs.tokens, col, tok)
-            rs = RecomputeState(buf, rs.lengths + active.astype(jnp.int32))
-            return full(rs), rs, jnp.where(active, rs.lengths, 0)
-
-    def emit(s: DecodeState, tok, logits) -> DecodeState:
-        """Record the step's token (-1 for rows already finished) and, when asked, its logits and the stream."""
-        shown = jnp.where(s.done, -1, tok)
-        out_logits = s.out_logits.at[:, s.step].set(logits) if return_logits else s.out_logits
-        if stream:
-            # (ordered effects need one device; on a mesh the loop's data dependence keeps steps in order)
-            io_callback(STREAMS.dispatch, None, stream_id, s.step, shown, ordered=mesh is None)
-        done = s.done | jnp.isin(tok, stop_ids)
-        return dataclasses.replace(
-            s, step=s.step + 1, token=tok, done=done, out=s.out.at[:, s.step].set(shown), out_logits=out_logits
-        )
-
+        first_logits = _recompute_logits(model, model_state)
     tok = sample(first_logits, jax.random.fold_in(key, 0), temperature, top_k, top_p)
     start = DecodeState(
         step=jnp.int32(0),
@@ -193,25 +221,61 @@ def _generate_jit(
         out_logits=jnp.zeros((B, max_new, c.vocab_size) if return_logits else (0,), jnp.float32),
         kv_computed=jnp.where(first_sample, lengths, 0).astype(jnp.int32),
     )
-    start = emit(start, tok, first_logits)
+    start = _emit(start, tok, first_logits, stop_ids, return_logits)
+    end = _run(
+        model,
+        start,
+        key,
+        temperature,
+        top_k,
+        top_p,
+        stop_ids,
+        until,
+        use_cache=use_cache,
+        total=total,
+        return_logits=return_logits,
+        mesh=mesh,
+    )
+    return _replicate_out(end, mesh)
 
-    def cond(s: DecodeState):
-        return (s.step < limit) & ~jnp.all(s.done)
 
-    def body(s: DecodeState) -> DecodeState:
-        active = ~s.done
-        logits, model_state, kv_step = advance(s.model_state, s.token, active)
-        new_tok = sample(logits, jax.random.fold_in(key, s.step), temperature, top_k, top_p)
-        new_tok = jnp.where(s.done, s.token, new_tok)
-        s = dataclasses.replace(s, model_state=model_state, kv_computed=s.kv_computed + kv_step)
-        return emit(s, new_tok, logits)
-
-    end = jax.lax.while_loop(cond, body, start)
-    zeros = jnp.zeros((B,), jnp.int32)
-    result = (end.out, end.out_logits, end.kv_computed, end.step - 1, zeros, zeros)
-    if mesh is not None:  # replicated: every process can read the tokens
-        result = jax.lax.with_sharding_constraint(result, parallel.replicated(mesh))
-    return result
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("s",))
+def _resume_jit(
+    state,
+    s,
+    key,
+    temperature,
+    top_k,
+    top_p,
+    stop_ids,
+    until,
+    *,
+    graphdef,
+    prompt_len,
+    max_new,
+    use_cache,
+    return_logits,
+    num_samples=1,
+    mesh=None,
+) -> DecodeState:
+    """Continue a paused decode (a streaming caller showed what came so far) until `until` tokens are out."""
+    count_trace()
+    model = nnx.merge(graphdef, state)
+    end = _run(
+        model,
+        s,
+        key,
+        temperature,
+        top_k,
+        top_p,
+        stop_ids,
+        until,
+        use_cache=use_cache,
+        total=prompt_len + max_new,
+        return_logits=return_logits,
+        mesh=mesh,
+    )
+    return _replicate_out(end, mesh)
 
 
 @functools.lru_cache(maxsize=4)
@@ -279,7 +343,8 @@ def generate(
     """Generate up to `max_new_tokens` for each prompt (lists of token ids, any lengths) on the device.
 
     chunk_size: prefill the prompts in chunks of this many tokens (default: one chunk). on_step(step, tokens[B])
-    is called from the device loop as each token is produced (-1 for finished rows), for streaming.
+    is called on the host as tokens are produced (-1 for finished rows), for streaming: the loop shows the first
+    token as soon as it exists, then pauses every few tokens to hand over the new ones.
     cache_dtype: the KV cache's storage type (see `init_cache`): float32, bfloat16, float16, int8, float8_e4m3fn.
     speculative: None, "ngram" (prompt-lookup drafts) or a draft model with the same vocabulary; the target checks
     up to `draft_tokens` proposals per forward pass (see `causal_lm.decode.speculative`). Greedy output is the
@@ -348,50 +413,135 @@ def generate(
         key = _replicated_key(mesh)(parallel.replicate(np.uint32(seed), mesh))
         args = (rows["tokens"], rows["lengths"], key) + tuple(parallel.replicate(a, mesh) for a in scalars)
     static = dict(
-        prompt_len=prompt_len,
-        chunk=chunk,
-        max_new=new_bucket,
-        return_logits=return_logits,
-        cache_dtype=cache_dtype,
-        stream=on_step is not None,
-        num_samples=int(num_samples),
-        mesh=mesh,
+        prompt_len=prompt_len, max_new=new_bucket, return_logits=return_logits, num_samples=int(num_samples), mesh=mesh
     )
-    with STREAMS.open(on_step) as stream_id:
-        sid = np.int32(stream_id) if mesh is None else parallel.replicate(np.int32(stream_id), mesh)
-        limit = np.int32(max_new_tokens) if mesh is None else parallel.replicate(np.int32(max_new_tokens), mesh)
-        if draft is None:
-            result = _generate_jit(state, *args, sid, limit, graphdef=graphdef, use_cache=use_cache, **static)
-        else:
-            result = speculative_jit(
-                state,
-                draft_state,
-                *args,
-                sid,
-                limit,
-                graphdef=graphdef,
-                draft_graphdef=draft_graphdef,
-                k=int(draft_tokens),
-                **static,
-            )
-        out, out_logits, kv, passes, proposed, accepted = result
-        out = np.asarray(out)
-        if on_step is not None:
-            jax.effects_barrier()
+    host = (lambda x: x) if mesh is None else (lambda x: parallel.replicate(x, mesh))
+    run = _run_speculative if draft is not None else _run_plain
+    end = run(
+        state,
+        draft_state,
+        args,
+        host,
+        on_step,
+        int(max_new_tokens),
+        graphdef=graphdef,
+        draft_graphdef=draft_graphdef,
+        draft_tokens=int(draft_tokens),
+        use_cache=use_cache,
+        chunk=chunk,
+        cache_dtype=cache_dtype,
+        static=static,
+    )
+    out = np.asarray(end.out)
     rows = [[int(t) for t in row[:max_new_tokens] if t >= 0] for row in out]
     steps = max(len(r) for r in rows)
-    kv = [int(x) for x in np.asarray(kv)]
+    kv = [int(x) for x in np.asarray(end.kv_computed)]
+    speculative_run = draft is not None
+    accepted = np.asarray(end.accepted) if speculative_run else np.zeros(len(rows), np.int64)
     return GenerateResult(
         tokens=rows,
         kv_computed=sum(kv),
         kv_computed_per_row=kv,
         steps=steps,
-        logits=np.asarray(out_logits)[:, :steps] if return_logits else None,
-        target_passes=int(passes),
-        draft_proposed=int(np.sum(proposed)),
+        logits=np.asarray(end.out_logits)[:, :steps] if return_logits else None,
+        target_passes=int(end.passes) if speculative_run else int(end.step) - 1,
+        draft_proposed=int(np.sum(end.proposed)) if speculative_run else 0,
         draft_accepted=int(np.sum(accepted)),
-        draft_accepted_per_row=[int(x) for x in np.asarray(accepted)],
+        draft_accepted_per_row=[int(x) for x in accepted],
     )
+
+
+# Streaming shows the first token as soon as it exists, then pauses the loop every STREAM_EVERY tokens (or
+# speculative passes) to hand the new ones to the callback: a host round trip per pause, no host callbacks inside
+# the compiled programs (which would keep them out of the persistent compilation cache).
+STREAM_EVERY = 8
+
+
+def _run_plain(
+    state,
+    draft_state,
+    args,
+    host,
+    on_step,
+    limit,
+    *,
+    graphdef,
+    draft_graphdef,
+    draft_tokens,
+    use_cache,
+    chunk,
+    cache_dtype,
+    static,
+):
+    tokens, lengths, key, temperature, top_k, top_p, stop = args
+    sampling = (key, temperature, top_k, top_p, stop)
+    until = 1 if on_step is not None else limit
+    s = _start_jit(
+        state,
+        tokens,
+        lengths,
+        *sampling,
+        host(np.int32(until)),
+        graphdef=graphdef,
+        use_cache=use_cache,
+        chunk=chunk,
+        cache_dtype=cache_dtype,
+        **static,
+    )
+    report = StreamReporter(on_step)
+    while on_step is not None:
+        step, done = int(s.step), np.asarray(s.done)
+        report(np.asarray(s.out), np.full(done.shape, step), done)
+        if step >= limit or done.all():
+            break
+        until = min(limit, step + STREAM_EVERY)
+        s = _resume_jit(state, s, *sampling, host(np.int32(until)), graphdef=graphdef, use_cache=use_cache, **static)
+    return s
+
+
+def _run_speculative(
+    state,
+    draft_state,
+    args,
+    host,
+    on_step,
+    limit,
+    *,
+    graphdef,
+    draft_graphdef,
+    draft_tokens,
+    use_cache,
+    chunk,
+    cache_dtype,
+    static,
+):
+    tokens, lengths, key, temperature, top_k, top_p, stop = args
+    sampling = (key, temperature, top_k, top_p, stop)
+    spec = dict(graphdef=graphdef, draft_graphdef=draft_graphdef, k=draft_tokens, **static)
+    passes = 0 if on_step is not None else limit  # a pass emits at least one token: limit passes always suffice
+    s = speculative_start_jit(
+        state,
+        draft_state,
+        tokens,
+        lengths,
+        *sampling,
+        host(np.int32(limit)),
+        host(np.int32(passes)),
+        chunk=chunk,
+        cache_dtype=cache_dtype,
+        **spec,
+    )
+    report = StreamReporter(on_step)
+    while on_step is not None:
+        done, count = np.asarray(s.done), np.asarray(s.count)
+        report(np.asarray(s.out), count, done)
+        if done.all():
+            break
+        passes = int(s.passes) + STREAM_EVERY
+        s = speculative_resume_jit(
+            state, draft_state, s, *sampling, host(np.int32(limit)), host(np.int32(passes)), **spec
+        )
+    return s
 
 
 def _check_speculative(speculative, draft_tokens, config, use_cache: bool, longest: int):

@@ -28,11 +28,10 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.experimental import io_callback
 
+from causal_lm import parallel
 from causal_lm.decode.prefill import count_trace, prefill, shard_cache
 from causal_lm.decode.sampling import probabilities, sample
-from causal_lm.decode.streaming import STREAMS
 from causal_lm.model.kv_cache import init_cache
 
 
@@ -133,23 +132,11 @@ def _accept(logits, drafts, q, n_prop, key, temperature, top_k, top_p):
     return a, jnp.where(temperature > 0, drawn, greedy_next)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "graphdef",
-        "draft_graphdef",
-        "prompt_len",
-        "chunk",
-        "max_new",
-        "k",
-        "num_samples",
-        "return_logits",
-        "cache_dtype",
-        "stream",
-        "mesh",
-    ),
-)
-def speculative_jit(
+_STATIC = ("graphdef", "draft_graphdef", "prompt_len", "max_new", "k", "num_samples", "return_logits", "mesh")
+
+
+@functools.partial(jax.jit, static_argnames=(*_STATIC, "chunk", "cache_dtype"))
+def speculative_start_jit(
     state,
     draft_state,
     tokens,
@@ -159,8 +146,8 @@ def speculative_jit(
     top_k,
     top_p,
     stop_ids,
-    stream_id,
     limit,
+    until_passes,
     *,
     graphdef,
     draft_graphdef,
@@ -171,11 +158,11 @@ def speculative_jit(
     num_samples,
     return_logits,
     cache_dtype,
-    stream,
     mesh=None,
-):
-    """The whole speculative generation program: prefill target (and draft), then the loop (see the module doc).
-    draft_graphdef None means "ngram" drafting. Returns (out, out_logits, kv_computed, passes, proposed, accepted)."""
+) -> SpeculativeState:
+    """Prefill the target (and the draft model), the first token, then speculative passes until every row has
+    `limit` tokens or is done, or `until_passes` passes have run (a streaming caller's pause). draft_graphdef None
+    means prompt-lookup drafting."""
     count_trace()
     model = nnx.merge(graphdef, state)
     c = model.config
@@ -184,19 +171,17 @@ def speculative_jit(
     total = prompt_len + max_new + k + 1  # a pass writes up to k + 1 tokens past the last emitted one
     target = shard_cache(init_cache(c, B0, total, cache_dtype, lookahead=k), mesh)
     target, first_logits = prefill(model, tokens, lengths, chunk, target, mesh)
-    draft = draft_layers = None
+    dcache = None
     if draft_graphdef is not None:
         draft = nnx.merge(draft_graphdef, draft_state)
-        draft_layers = draft.split_layers()
         dcache = shard_cache(init_cache(draft.config, B0, total, cache_dtype, lookahead=k), mesh)
         dcache, _ = prefill(draft, tokens, lengths, chunk, dcache, mesh)
     if num_samples > 1:  # the prompts' K/V computed once, shared by the samples of each prompt
         target = shard_cache(target.repeat_rows(num_samples), mesh)
         first_logits = jnp.repeat(first_logits, num_samples, axis=0)
         tokens, lengths = jnp.repeat(tokens, num_samples, axis=0), jnp.repeat(lengths, num_samples, axis=0)
-        if draft is not None:
+        if dcache is not None:
             dcache = shard_cache(dcache.repeat_rows(num_samples), mesh)
-    layers = model.split_layers()
 
     width = max_new + k + 1
     first = sample(first_logits, jax.random.fold_in(key, 0), temperature, top_k, top_p)
@@ -208,22 +193,111 @@ def speculative_jit(
     start = SpeculativeState(
         passes=jnp.int32(0),
         target=target,
-        draft=dcache if draft is not None else None,
+        draft=dcache,
         history=history,
         hist_len=lengths + 1,
         count=jnp.ones((B,), jnp.int32),
         done=jnp.isin(first, stop_ids) | (limit <= 1),
         out=jnp.full((B, width), -1, jnp.int32).at[:, 0].set(first),
         out_logits=out_logits,
-        kv_computed=jnp.zeros((B,), jnp.int32),
+        # the prompt's K/V were computed once per prompt: counted on its first sample's row
+        kv_computed=jnp.where(jnp.arange(B) % num_samples == 0, lengths, 0).astype(jnp.int32),
         proposed=jnp.zeros((B,), jnp.int32),
         accepted=jnp.zeros((B,), jnp.int32),
     )
-    if stream:
-        io_callback(STREAMS.dispatch_rows, None, stream_id, start.out, start.count, start.done, ordered=mesh is None)
+    return _passes(
+        model,
+        draft_graphdef,
+        draft_state,
+        start,
+        key,
+        temperature,
+        top_k,
+        top_p,
+        stop_ids,
+        limit,
+        until_passes,
+        k=k,
+        total=total,
+        return_logits=return_logits,
+        mesh=mesh,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC, donate_argnames=("s",))
+def speculative_resume_jit(
+    state,
+    draft_state,
+    s,
+    key,
+    temperature,
+    top_k,
+    top_p,
+    stop_ids,
+    limit,
+    until_passes,
+    *,
+    graphdef,
+    draft_graphdef,
+    prompt_len,
+    max_new,
+    k,
+    num_samples,
+    return_logits,
+    mesh=None,
+) -> SpeculativeState:
+    """Continue a paused speculative loop until `until_passes` passes (or every row is done)."""
+    count_trace()
+    model = nnx.merge(graphdef, state)
+    total = prompt_len + max_new + k + 1
+    return _passes(
+        model,
+        draft_graphdef,
+        draft_state,
+        s,
+        key,
+        temperature,
+        top_k,
+        top_p,
+        stop_ids,
+        limit,
+        until_passes,
+        k=k,
+        total=total,
+        return_logits=return_logits,
+        mesh=mesh,
+    )
+
+
+def _passes(
+    model,
+    draft_graphdef,
+    draft_state,
+    start,
+    key,
+    temperature,
+    top_k,
+    top_p,
+    stop_ids,
+    limit,
+    until_passes,
+    *,
+    k,
+    total,
+    return_logits,
+    mesh,
+) -> SpeculativeState:
+    """The speculative loop (see the module docstring) from `start` until done or `until_passes` passes."""
+    B = start.count.shape[0]
+    width = start.out.shape[1]
+    layers = model.split_layers()
+    draft = draft_layers = None
+    if draft_graphdef is not None:
+        draft = nnx.merge(draft_graphdef, draft_state)
+        draft_layers = draft.split_layers()
 
     def cond(s: SpeculativeState):
-        return ~jnp.all(s.done) & (s.passes < limit)
+        return ~jnp.all(s.done) & (s.passes < limit) & (s.passes < until_passes)
 
     def body(s: SpeculativeState) -> SpeculativeState:
         active = ~s.done
@@ -284,12 +358,12 @@ def speculative_jit(
         )
         if draft is not None:
             new = dataclasses.replace(new, draft=shard_cache(dcache.rollback(jnp.minimum(kept, dcache.lengths)), mesh))
-        if stream:
-            io_callback(STREAMS.dispatch_rows, None, stream_id, new.out, new.count, new.done, ordered=mesh is None)
         return new
 
     end = jax.lax.while_loop(cond, body, start)
-    # the prompt's K/V were computed once per prompt: counted on its first sample's row
-    prompt_kv = jnp.where(jnp.arange(B) % num_samples == 0, lengths, 0)
-    out_logits = end.out_logits[:, :max_new] if return_logits else end.out_logits
-    return end.out[:, :max_new], out_logits, end.kv_computed + prompt_kv, end.passes, end.proposed, end.accepted
+    if mesh is None:
+        return end
+    # the tokens and counts come back replicated, so every process of a multi-host run can read them
+    rep = parallel.replicated(mesh)
+    fields = ("passes", "count", "done", "out", "out_logits", "kv_computed", "proposed", "accepted")
+    return dataclasses.replace(end, **{f: jax.lax.with_sharding_constraint(getattr(end, f), rep) for f in fields})

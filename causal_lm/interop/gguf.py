@@ -50,7 +50,9 @@ import os
 
 import numpy as np
 
-from causal_lm.interop.hf import HFFormatError, _param_table, model_config_from_hf, model_from_params
+from causal_lm.data.tokenizer import HFTokenizer
+from causal_lm.interop.chat import end_of_turn_id
+from causal_lm.interop.hf import HFFormatError, _np_dtype, _param_table, model_config_from_hf, model_from_params
 
 # general.architecture -> the Hugging Face architecture computing the same network
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -245,7 +247,6 @@ def dequantize_tensor(t) -> np.ndarray:
 
 def load_gguf_params(reader, config, arch: str) -> dict:
     """Our parameters (nested dict of numpy arrays in config.param_dtype), dequantized, unpermuted, checked."""
-    from causal_lm.interop.hf import _np_dtype
 
     tensors = {t.name: t for t in reader.tensors}
     pd = np.dtype(_np_dtype(config.param_dtype))
@@ -372,9 +373,6 @@ def gguf_tokenizer(meta: dict, source: str = "the GGUF file"):
     """The file's vocabulary as an HFTokenizer (a `tokenizers` BPE), with BOS handling, stop ids and the chat
     template from its metadata."""
     from tokenizers import AddedToken
-
-    from causal_lm.data.tokenizer import HFTokenizer
-    from causal_lm.interop.chat import end_of_turn_id
 
     kind = meta.get("tokenizer.ggml.model")
     if kind is None or "tokenizer.ggml.tokens" not in meta:

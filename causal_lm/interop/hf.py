@@ -45,9 +45,15 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from causal_lm.config import ModelConfig
+from causal_lm.data.tokenizer import HFTokenizer, TokenizerError
+from causal_lm.interop.chat import end_of_turn_id, read_chat_template
+from causal_lm.model.transformer import Decoder
 
 # architecture class name -> model_type
 ARCHITECTURES = {
@@ -787,11 +793,6 @@ def _np_dtype(name: str):
 
 def model_from_params(config: ModelConfig, params: dict):
     """A Decoder for `config` holding `params` (nested dict like nnx.to_pure_dict), shapes checked."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from causal_lm.model.transformer import Decoder
 
     abstract = nnx.eval_shape(lambda: Decoder(config, nnx.Rngs(params=0)))
     graphdef, state = nnx.split(abstract)
@@ -879,7 +880,6 @@ def _token_text(value) -> str | None:
 def read_tokenizer_settings(path: str, hf: dict, inner) -> dict:
     """HFTokenizer keyword arguments from the folder's configs (besides the special ids): add_bos, stop_ids,
     chat_template, special_tokens. `inner`: the tokenizers.Tokenizer, to look tokens up."""
-    from causal_lm.interop.chat import end_of_turn_id, read_chat_template
 
     tc_path = os.path.join(path, "tokenizer_config.json")
     tc: dict = {}
@@ -919,8 +919,6 @@ def read_hf_tokenizer(path: str, hf: dict | None = None):
         return None
     from tokenizers import Tokenizer
 
-    from causal_lm.data.tokenizer import HFTokenizer, TokenizerError
-
     with open(file, encoding="utf-8") as f:
         text = f.read()
     hf = hf if hf is not None else read_hf_config(path)
@@ -933,8 +931,6 @@ def read_hf_tokenizer(path: str, hf: dict | None = None):
 
 def hf_tensors_from_model(model) -> dict:
     """{Hugging Face tensor name: numpy array} for a Decoder (weights in the model's param dtype)."""
-    import jax
-    from flax import nnx
 
     c = model.config
     hf_config_from_model(c)  # raises if the model cannot be expressed

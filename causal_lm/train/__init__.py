@@ -7,6 +7,7 @@ save_for_inference(workdir, model, config, tokenizer)
 restore_params(workdir, model)             a workdir's weights into a model built elsewhere
 """
 
+from causal_lm.notes import Note
 from causal_lm.train.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -20,7 +21,6 @@ from causal_lm.train.evaluate import evaluate, sample_text
 from causal_lm.train.lock import WorkdirLockedError
 from causal_lm.train.loop import resolve_config, train_and_evaluate
 from causal_lm.train.metrics import plot_metrics, read_metrics
-from causal_lm.train.notes import Note
 
 __all__ = [
     "CheckpointError",

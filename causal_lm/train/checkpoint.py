@@ -31,6 +31,7 @@ Entry points for other code:
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import sys
@@ -40,11 +41,15 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
 
+from causal_lm import parallel
 from causal_lm.config import Config, apply_overrides, config_from_dict, config_to_dict
 from causal_lm.data.tokenizer import tokenizer_from_dict
+from causal_lm.model import build_model
+from causal_lm.notes import note
 from causal_lm.train import integrity
-from causal_lm.train.notes import note
 from causal_lm.train.state import param_shapes
 
 CHECKPOINT_DIR = "checkpoints"
@@ -231,8 +236,6 @@ class Checkpointer:
         """Re-read the list of steps (after another process changed the directory); multi-process: after a
         barrier, so every process sees process 0's changes."""
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices("causal_lm.checkpoint.reload")
         self.manager.reload()
 
@@ -449,9 +452,6 @@ def newest_intact(ckpt: Checkpointer, steps: Iterable[int], attempt: Callable[[i
 def check_model_config(meta: dict, config: Config, step: int, directory: str) -> list[str]:
     """Raise if the checkpoint's parameter shapes do not fit `config`'s model; return the model-config fields that
     differ without changing shapes (e.g. remat, dtype) for the caller to report."""
-    from flax import nnx
-
-    from causal_lm.model import build_model
 
     saved_model = meta["config"]["model"]
     current = config_to_dict(config)["model"]
@@ -495,7 +495,6 @@ def restore_params(workdir: str, model, step: None | int | str = None):
     evaluate one model's weights under another mask config. Shapes must match (error names those that don't);
     the latest falls back to the newest intact checkpoint, and on any error the model is left unchanged.
     Returns the checkpoint's metadata."""
-    from flax import nnx
 
     ckpt = Checkpointer(workdir, read_only=True)
     target = nnx.to_pure_dict(nnx.state(model, nnx.Param))
@@ -520,9 +519,6 @@ def load_for_inference(workdir: str, step: None | int | str = None, overrides: I
     mesh: a `causal_lm.parallel.make_mesh` mesh to restore the weights onto, split by the partition rules
     (whatever mesh or device count saved them); `generate` then runs sharded. None: the default device.
     """
-    from flax import nnx
-
-    from causal_lm.model import build_model
 
     def attempt(s: int):
         meta = ckpt.read_meta(s)
@@ -534,8 +530,6 @@ def load_for_inference(workdir: str, step: None | int | str = None, overrides: I
             graphdef, _, rest = nnx.split(build_model(config.model), nnx.Param, ...)
         target = nnx.to_pure_dict(abstract_params)
         if mesh is not None:
-            from causal_lm import parallel
-
             shardings = parallel.tree_shardings(target, mesh)
         else:  # an explicit device: a checkpoint saved from a mesh restores only onto a given layout
             shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.local_devices()[0]), target)
@@ -555,7 +549,6 @@ def save_for_inference(workdir: str, model, config: Config, tokenizer, step: int
     """Write `model`'s weights with its config and tokenizer as a checkpoint of `workdir` (e.g. a converted Hugging
     Face model), so `causal-lm generate --workdir` and `causal-lm eval --workdir` use it, and
     `causal-lm train --workdir` fine-tunes it (with a fresh optimizer). Returns the checkpoint directory."""
-    from flax import nnx
 
     if tokenizer.vocab_size > model.config.vocab_size:
         raise CheckpointError(
@@ -583,7 +576,6 @@ def save_for_inference(workdir: str, model, config: Config, tokenizer, step: int
 
 def write_workdir_files(workdir: str, config: Config, tokenizer) -> None:
     """config.json and tokenizer/ at the top of the workdir, for people and tools (checkpoints carry their own)."""
-    import json
 
     with open(os.path.join(workdir, "config.json"), "w") as f:
         json.dump(config_to_dict(config), f, indent=2)

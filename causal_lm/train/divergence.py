@@ -32,8 +32,12 @@ MIN_HISTORY = 5
 class DivergenceError(RuntimeError):
     """Training diverged (a loss spike, or a non-finite loss or gradient); nothing from that step on was saved.
 
+    The CLI reports it as one error line with its `hint` and exit status 1 (`exit_status`).
+
     `step`: the first divergent step; `last_healthy`: the newest checkpoint before it (None if there is none);
     `hint`: how to resume from it."""
+
+    exit_status = 1
 
     def __init__(self, message: str, step: int, last_healthy: int | None, hint: str = ""):
         super().__init__(message)

@@ -23,7 +23,10 @@ LOCK_FILE = "train.lock"
 
 
 class WorkdirLockedError(RuntimeError):
-    """Another process holds the workdir's lock."""
+    """Another process holds the workdir's lock (the CLI's exit status 3, `exit_status`)."""
+
+    exit_status = 3
+    hint = ""
 
 
 class WorkdirLock:

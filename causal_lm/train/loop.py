@@ -32,11 +32,13 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
+from flax import nnx
 
 from causal_lm import parallel
 from causal_lm.config import Config, ConfigError, config_to_dict
 from causal_lm.data.pipeline import build_data
 from causal_lm.data.tokenizer import tokenizer_from_dict
+from causal_lm.notes import note
 from causal_lm.train.checkpoint import (
     CHECKPOINT_DIR,
     Checkpointer,
@@ -49,7 +51,6 @@ from causal_lm.train.divergence import DivergenceError, NonFiniteLossError, Spik
 from causal_lm.train.evaluate import evaluate_split, sample_text
 from causal_lm.train.lock import WorkdirLock
 from causal_lm.train.metrics import MetricsWriter, peak_flops, train_flops_per_token
-from causal_lm.train.notes import note
 from causal_lm.train.profile import PROFILE_DIR, StepProfiler
 from causal_lm.train.state import (
     check_optimizer_resume,
@@ -448,8 +449,6 @@ def _train(
                     val_tokens=val["tokens"],
                 )
                 if t.sample_tokens:
-                    from flax import nnx
-
                     seed = int(jax.device_get(state.rng)[-1])
                     record["sample"] = sample_text(
                         nnx.merge(graphdef, state.params, rest),

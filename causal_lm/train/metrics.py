@@ -16,10 +16,12 @@ import json
 import os
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from causal_lm.config import ModelConfig
-from causal_lm.train.notes import note
+from causal_lm.notes import note
 from causal_lm.train.state import decays, param_shapes
 
 METRICS_FILE = "metrics.jsonl"
@@ -96,8 +98,6 @@ def datasheet(device_kind: str) -> tuple[str, dict] | None:
 def peak_flops(dtype: str = "float32") -> tuple[float, str]:
     """(peak FLOP/s of one device, where the number comes from): the datasheet for known accelerators, else a
     measured large matmul in `dtype` (on a CPU there is no honest datasheet number)."""
-    import jax
-    import jax.numpy as jnp
 
     dev = jax.devices()[0]
     found = datasheet(dev.device_kind)

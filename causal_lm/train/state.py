@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from optax import contrib
+from optax.contrib import MuonDimensionNumbers
 
 from causal_lm import parallel
 from causal_lm.config import ConfigError, ModelConfig, TrainConfig
@@ -130,7 +132,6 @@ def muon_dimension_numbers(path: tuple, shape: tuple):
     """optax's MuonDimensionNumbers for the parameter at `path` (names) with `shape`, or None when it is not a
     Muon matrix (then AdamW updates it). A leading axis beyond the weight's own rank (the stacked layer axis) is
     a batch axis."""
-    from optax.contrib import MuonDimensionNumbers
 
     rule = MUON_MATRICES.get(path[-1]) if path else None
     if rule is None or not decays(path):
@@ -204,7 +205,6 @@ def _scale_to_rms(rms: float) -> optax.GradientTransformation:
         return x * (rms * math.sqrt(max(fan_in, fan_out)))
 
     def update(updates, state, params=None):
-        from optax.contrib import MuonDimensionNumbers
 
         dims = _muon_dims(updates)
         return jax.tree.map(scale, updates, dims, is_leaf=lambda d: isinstance(d, MuonDimensionNumbers)), state
@@ -219,7 +219,6 @@ def _adamw(hp):
 
 
 def _muon(hp):
-    from optax import contrib
 
     schedule = learning_rate_schedule(hp)
     matrices = optax.chain(
