@@ -19,7 +19,8 @@ from typing import Any, Optional
 
 POSITIONS = ("rope", "none", "learned")
 MASKS = ("causal", "none", "causal_after_softmax")
-ATTENTION_IMPLS = ("xla", "dot_product_attention")
+ATTENTION_IMPLS = ("auto", "xla", "dot_product_attention", "cudnn", "splash")
+REMATS = ("none", "minimal", "full")
 ATTENTION_TYPES = ("mha", "mla")
 LAYER_KINDS = ("global", "local")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -28,6 +29,9 @@ MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 DTYPES = ("float32", "bfloat16", "float16")
 OPTIMIZERS = ("adamw", "muon", "lion", "adafactor")
 OPT_STATE_DTYPES = ("auto", "float32", "bfloat16")
+
+
+_BOOL_WORDS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
 
 
 class ConfigError(ValueError):
@@ -63,7 +67,11 @@ class ModelConfig:
     rope_theta: float = 10_000.0
     rope_fraction: float = 1.0  # share of each head's dims that are rotated
     attention_mask: str = "causal"  # "causal" | "none" | "causal_after_softmax" (the last two: research knobs)
-    attention_impl: str = "xla"  # "xla" (einsum) | "dot_product_attention" (jax.nn.dot_product_attention)
+    # "auto": splash on TPU, cudnn on a GPU (bf16/fp16), else "xla" (einsum kernels) | "dot_product_attention"
+    # (jax.nn.dot_product_attention, XLA's choice) | "cudnn" (NVIDIA GPUs) | "splash" (Pallas TPU kernel). The
+    # fused ones (cudnn, splash) run attention over a call's own tokens; a cache's prefill and decode keep the
+    # XLA kernels. See causal_lm/model/backends.py.
+    attention_impl: str = "auto"
     attention_type: str = "mha"  # "mha" covers MHA / GQA / MQA through num_kv_heads; "mla": latent attention
     # MLA (DeepSeek-V2): K/V come from a kv_lora_rank latent; RoPE acts only on a separate qk_rope_head_dim part
     # (one rope key shared by all heads). The cache holds latent + rope key per token. None -> derived (below).
@@ -108,12 +116,19 @@ class ModelConfig:
     init_std: float = 0.02
     param_dtype: str = "float32"
     dtype: str = "float32"  # compute dtype; softmax and loss are always float32
-    remat: bool = False  # rematerialise each block in the backward pass
+    # What the backward pass recomputes: "none" (keep every matmul output), "minimal" (keep only the named
+    # projection outputs q/k/v/o and the MLP's, recompute the rest), "full" (keep each block's input only).
+    # Old configs' true/false mean full/none.
+    remat: str = "none"
     scan_layers: bool = True  # scan over stacked layers (compile time flat in depth) or unroll
     # Which of the derivable sizes were left at None (filled in by __post_init__); not a config key.
     _derived: tuple = dataclasses.field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self):
+        r = self.remat
+        if isinstance(r, bool) or str(r).lower() in _BOOL_WORDS:  # the old bool field (config.json, key=value)
+            object.__setattr__(self, "remat", "full" if _BOOL_WORDS.get(str(r).lower(), r) is True else "none")
+        _check(self.remat in REMATS, f"model.remat must be one of {REMATS} (or true/false), got {self.remat!r}")
         for name in ("layer_pattern", "rope_pattern"):  # accept ("local", "global") as well as "local,global"
             if isinstance(getattr(self, name), (tuple, list)):
                 object.__setattr__(self, name, ",".join(getattr(self, name)))
@@ -169,6 +184,8 @@ class ModelConfig:
                 abs(self.rope_dim - self.head_dim * self.rope_fraction) < 1e-9,
                 f"model.rope_fraction={self.rope_fraction} of head_dim={self.head_dim} is not a whole number of dims",
             )
+        if self.attention_impl in ("cudnn", "splash"):
+            self._check_fused_backend()
         if self.attention_impl == "dot_product_attention":
             _check(
                 not self.attn_sink,
@@ -181,6 +198,12 @@ class ModelConfig:
         _check(self.norm_eps > 0, f"model.norm_eps must be positive, got {self.norm_eps}")
         _check(self.param_dtype in DTYPES, f"model.param_dtype must be one of {DTYPES}, got {self.param_dtype!r}")
         _check(self.dtype in DTYPES, f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+    def _check_fused_backend(self):
+        """Settings a fused kernel cannot express are refused when it is named (`auto` falls back instead)."""
+        from_ = f"model.attention_impl={self.attention_impl!r}"
+        reason = fused_backend_unsupported(self, self.attention_impl)
+        _check(reason is None, f"{from_} cannot run {reason}; use attention_impl='xla' (or 'auto', which falls back)")
 
     def _derive_sizes(self):
         """Fill in the sizes left at None (recording which, see the class docstring)."""
@@ -261,7 +284,7 @@ class ModelConfig:
         _check(
             self.rope_fraction == 1.0, "MLA rotates exactly its qk_rope_head_dim dims; leave model.rope_fraction at 1.0"
         )
-        _check(self.attention_impl == "xla", "attention_type='mla' needs attention_impl='xla'")
+        _check(self.attention_impl in ("xla", "auto"), "attention_type='mla' needs attention_impl='xla' (or 'auto')")
         _check(not self.qkv_bias, "model.qkv_bias is not supported with attention_type='mla'")
 
     def _check_window(self):
@@ -366,8 +389,9 @@ class ModelConfig:
             _check(v >= 0, f"model.{name} must be >= 0 (0 = off), got {v}")
         if self.attn_softcap:
             _check(
-                self.attention_impl == "xla",
-                "model.attn_softcap needs attention_impl='xla' (jax.nn.dot_product_attention has no softcapping)",
+                self.attention_impl in ("xla", "auto", "splash"),
+                f"model.attn_softcap needs attention_impl='xla', 'auto' or 'splash' ({self.attention_impl!r} has no "
+                "softcapping)",
             )
         if self.attention_type == "mla":
             for name in ("qk_norm", "attn_scale", "attn_softcap", "norm_scale_plus_one"):
@@ -448,6 +472,22 @@ class ModelConfig:
 
 
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def fused_backend_unsupported(m: ModelConfig, backend: str) -> str | None:
+    """Why `backend` ("cudnn" or "splash") cannot compute this model's attention, or None if it can.
+
+    Both take the mask as structure (causal, a sliding window, segment ids), never as a dense array, so the research
+    masks are out, and MLA keeps its own kernels. Splash has sink logits and softcapping; cuDNN has neither."""
+    if m.attention_type == "mla":
+        return "attention_type='mla' (MLA keeps its own kernels)"
+    if m.attention_mask != "causal":
+        return f"attention_mask={m.attention_mask!r} (a fused kernel takes only the causal mask's structure)"
+    if backend == "cudnn" and m.attn_sink:
+        return "model.attn_sink (cuDNN's fused attention has no sink logit)"
+    if backend == "cudnn" and m.attn_softcap:
+        return "model.attn_softcap (cuDNN's fused attention has no score softcapping)"
+    return None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from causal_lm.config import ModelConfig
 from causal_lm.model.context import AttentionContext
@@ -54,7 +55,7 @@ class Attention(nnx.Module):
         """Queries for the tokens: [B, T, N, H] (rotated with RoPE)."""
         c = self.config
         dt = jnp.dtype(c.dtype)
-        q = project(x, self.wq[...].astype(dt))  # [B, T, N, H]
+        q = checkpoint_name(project(x, self.wq[...].astype(dt)), "attn_q")  # [B, T, N, H]
         if c.qkv_bias:
             q = q + self.bq[...].astype(dt)
         if c.qk_norm:
@@ -67,8 +68,8 @@ class Attention(nnx.Module):
         """K and V for the new tokens: [B, T, K, H] each (K rotated, V never)."""
         c = self.config
         dt = jnp.dtype(c.dtype)
-        k = project(x, self.wk[...].astype(dt))  # [B, T, K, H]
-        v = project(x, self.wv[...].astype(dt))
+        k = checkpoint_name(project(x, self.wk[...].astype(dt)), "attn_k")  # [B, T, K, H]
+        v = checkpoint_name(project(x, self.wv[...].astype(dt)), "attn_v")
         if c.qkv_bias:
             k = k + self.bk[...].astype(dt)
             v = v + self.bv[...].astype(dt)
@@ -106,5 +107,5 @@ class Attention(nnx.Module):
         if c.attn_output_gate:
             gate = jax.nn.sigmoid(project(x, self.wg[...].astype(dt)).astype(jnp.float32))
             out = (out.astype(jnp.float32) * gate).astype(dt)
-        out = project(out.astype(dt), self.wo[...].astype(dt), n_in=2)  # [B, T, D]
+        out = checkpoint_name(project(out.astype(dt), self.wo[...].astype(dt), n_in=2), "attn_o")  # [B, T, D]
         return out, cache, weights

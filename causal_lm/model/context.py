@@ -57,4 +57,12 @@ class AttentionContext:
         zero_after = None
         if self.masks[0].zero_after is not None:
             zero_after = jnp.stack([m.zero_after for m in self.masks])[which]
-        return AttentionMask(visible, zero_after, index_causal=all(m.index_causal for m in self.masks))
+        structured = all(len(m.windows) == 1 for m in self.masks)
+        return AttentionMask(
+            visible,
+            zero_after,
+            index_causal=all(m.index_causal for m in self.masks),
+            windows=tuple(m.windows[0] for m in self.masks) if structured else (),
+            segment_ids=self.masks[0].segment_ids if structured else None,
+            window_index=which if structured else None,
+        )

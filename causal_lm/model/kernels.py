@@ -22,8 +22,10 @@ Shape letters (used in every `# [...]` comment of the package):
     in_place_attention    a few queries over a long cache (decode): reads K/V in their cache layout [B, S, K, H]
                           instead of transposing the whole layer first.
     xla_dot_product_attention  `jax.nn.dot_product_attention`, XLA's own choice of implementation.
+    backends.cudnn_attention / backends.splash_attention  the fused kernels of GPUs and TPUs (see backends.py).
 
-`attention()` picks one from static facts (shapes, mask structure, config); `attention_impl` names the family.
+`attention()` picks one from static facts (platform, shapes, mask structure, config); `attention_impl` names the
+family.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from causal_lm.model import backends
 from causal_lm.model.mask import AttentionMask
 
 # Finite large negative for masked float32 scores: -inf would turn a row with no visible key into NaN.
@@ -244,6 +247,12 @@ def attention(
     scale = default_scale(q.shape[-1]) if scale is None else scale
     if return_weights:
         return reference_attention(q, k, v, mask, scale=scale, sink=sink, softcap=softcap)
+    if impl not in ("xla", "dot_product_attention"):  # auto, cudnn, splash (a named one off its platform: raises)
+        fused = backends.resolve(
+            impl, backends.platform(), q.dtype, q.shape[-1], sink=sink is not None, softcap=bool(softcap)
+        )
+        if fused is not None and backends.applies(mask, q, k):
+            return backends.KERNELS[fused](q, k, v, mask, scale=scale, sink=sink, softcap=softcap), None
     return select_kernel(q, k, mask, impl)(q, k, v, mask, scale=scale, sink=sink, softcap=softcap), None
 
 

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from causal_lm.config import ModelConfig
 
@@ -82,5 +83,6 @@ class MLP(nnx.Module):
     def __call__(self, x):
         dt = self.dtype
         act = ACTIVATIONS[self.activation]
-        h = act(project(x, self.w_gate[...].astype(dt))) * project(x, self.w_up[...].astype(dt))  # [B, T, F]
-        return project(h, self.w_down[...].astype(dt))
+        gate = checkpoint_name(project(x, self.w_gate[...].astype(dt)), "mlp_gate")  # [B, T, F]
+        up = checkpoint_name(project(x, self.w_up[...].astype(dt)), "mlp_up")
+        return checkpoint_name(project(act(gate) * up, self.w_down[...].astype(dt)), "mlp_down")  # [B, T, D]

@@ -52,11 +52,20 @@ class AttentionMask:
     index_causal (static): the keys are the queries' own tokens in the same order and no key after a query's
                  index is visible to it. True only where the positions guarantee it (see `index_causal`); a
                  blocked kernel may then skip the keys above the diagonal.
+    windows (static): set only by the decoder for its own self-attention mask over positions it made (0..T-1,
+                 restarting at each contiguous segment): then `visible` is exactly "causal by index, within the
+                 sliding window by index, same segment, not padding", the structure a fused kernel (backends.py)
+                 takes instead of the dense array. The mask's sliding window (0 = none); several when the layers
+                 of a scan differ, `window_index` (traced) then says which. Empty: no such structure.
+    segment_ids: [B, T] the queries' (= keys') segment ids, 0 = padding, with `windows`; None: one segment.
     """
 
     visible: jax.Array
     zero_after: jax.Array | None = None
     index_causal: bool = dataclasses.field(default=False, metadata=dict(static=True))
+    windows: tuple = dataclasses.field(default=(), metadata=dict(static=True))
+    segment_ids: jax.Array | None = None
+    window_index: jax.Array | None = None
 
 
 def segment_positions(segment_ids):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from causal_lm.config import ModelConfig
 from causal_lm.model.context import AttentionContext
@@ -71,9 +72,9 @@ class MLAttention(nnx.Module):
         dt = jnp.dtype(c.dtype)
         if c.q_lora_rank:
             cq = rms_norm(jnp.einsum("btd,dq->btq", x, self.wq_a[...].astype(dt)), self.q_norm[...], c.norm_eps)
-            q = jnp.einsum("btq,qnh->btnh", cq, self.wq_b[...].astype(dt))
+            q = checkpoint_name(jnp.einsum("btq,qnh->btnh", cq, self.wq_b[...].astype(dt)), "attn_q")
         else:
-            q = jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(dt))
+            q = checkpoint_name(jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(dt)), "attn_q")
         q_nope, q_rope = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
         if cos is not None:
             q_rope = apply_rope(q_rope, cos, sin)
@@ -83,7 +84,7 @@ class MLAttention(nnx.Module):
         """What the cache stores for the new tokens: latent [B, T, R] (normalised) and rope key [B, T, Hr]."""
         c = self.config
         dt = jnp.dtype(c.dtype)
-        ckv = jnp.einsum("btd,dr->btr", x, self.wkv_a[...].astype(dt))
+        ckv = checkpoint_name(jnp.einsum("btd,dr->btr", x, self.wkv_a[...].astype(dt)), "attn_kv_latent")
         latent = rms_norm(ckv[..., : c.kv_lora_rank], self.kv_norm[...], c.norm_eps)
         rope_key = ckv[..., c.kv_lora_rank :]
         if cos is not None:
@@ -127,5 +128,5 @@ class MLAttention(nnx.Module):
         if c.attn_output_gate:
             gate = jax.nn.sigmoid(jnp.einsum("btd,dnh->btnh", x, self.wg[...].astype(dt)).astype(jnp.float32))
             out = (out.astype(jnp.float32) * gate).astype(dt)
-        out = jnp.einsum("btnh,nhd->btd", out.astype(dt), self.wo[...].astype(dt))
+        out = checkpoint_name(jnp.einsum("btnh,nhd->btd", out.astype(dt), self.wo[...].astype(dt)), "attn_o")
         return out, cache, weights

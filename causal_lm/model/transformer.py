@@ -27,6 +27,27 @@ from causal_lm.model.mask import AttentionMask, increasing_within_segments, make
 from causal_lm.model.mla import MLAttention
 from causal_lm.model.rope import layer_rope_tables
 
+# The projection outputs `model.remat=minimal` keeps for the backward pass (named with checkpoint_name where they
+# are computed: attention.py, mla.py, layers.py); everything else in a block is recomputed from them.
+SAVED_PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_kv_latent", "attn_o", "mlp_gate", "mlp_up", "mlp_down")
+
+
+def remat_policy(remat: str):
+    """The jax.checkpoint policy of each block for `model.remat`.
+
+    none:    keep every matmul output (dots_saveable) and recompute only the elementwise ops from them (norms, RoPE,
+             masked softmax, SwiGLU): cheaper than storing their results per layer and reading them back, and less
+             memory; the attention scores are matmul outputs, so they are kept too. No effect without a gradient.
+    minimal: keep only the named projection outputs (SAVED_PROJECTIONS); the attention scores and softmax are
+             recomputed from q and k (what a fused kernel does anyway).
+    full:    keep nothing but each block's input; the backward pass runs the block's forward again (least memory).
+    """
+    if remat == "none":
+        return jax.checkpoint_policies.dots_saveable
+    if remat == "minimal":
+        return jax.checkpoint_policies.save_only_these_names(*SAVED_PROJECTIONS)
+    return jax.checkpoint_policies.nothing_saveable
+
 
 class InputError(ValueError):
     """Bad tokens, positions or segment ids given to the model."""
@@ -244,10 +265,12 @@ class Decoder(nnx.Module):
             )
             # Positions made here increase within each segment: no key after a query's index is visible to it.
             index_causal = causal
+            structured = causal  # and the mask is the index structure a fused kernel takes (see AttentionMask)
         else:
             index_causal = (
                 causal and _is_concrete(positions, segment_ids) and increasing_within_segments(positions, segment_ids)
             )
+            structured = False
         positions = jnp.asarray(positions, jnp.int32)
         seg = None if segment_ids is None else jnp.asarray(segment_ids)
         windows = sorted(set(c.layer_windows))
@@ -255,7 +278,14 @@ class Decoder(nnx.Module):
         for w in windows:
             visible_causal = make_mask(positions, positions, valid, seg, seg, causal=True, window=w or None)
             if causal:
-                masks.append(AttentionMask(visible_causal, index_causal=index_causal))
+                masks.append(
+                    AttentionMask(
+                        visible_causal,
+                        index_causal=index_causal,
+                        windows=(w,) if structured else (),
+                        segment_ids=seg if structured else None,
+                    )
+                )
             else:  # the research variants: no mask before the softmax, and maybe causal zeroing after it
                 visible = make_mask(positions, positions, valid, seg, seg, causal=False)
                 zero_after = visible_causal if c.attention_mask == "causal_after_softmax" else None
@@ -282,13 +312,7 @@ class Decoder(nnx.Module):
             x, cache, w = nnx.merge(graphdef, layer_state)(x, ctx, cache, i)
             return x, cache, (w, x if return_hidden else None)
 
-        if c.remat:  # keep only each block's input for the backward pass; recompute the rest (least memory)
-            policy = None
-        else:
-            # Keep the matmul outputs for the backward pass and recompute the elementwise ops from them (norms,
-            # RoPE, masked softmax, SwiGLU): cheaper than storing their results per layer and reading them back,
-            # and less memory. No effect without a gradient.
-            policy = jax.checkpoint_policies.dots_saveable
+        policy = remat_policy(c.remat)
         checkpointed = jax.checkpoint(body, prevent_cse=not c.scan_layers, policy=policy, static_argnums=(3,))
         one_layout = cache is None or len(cache.groups) == 1
         if c.scan_layers and layers is None and one_layout:
