@@ -7,11 +7,15 @@ out of position order), padding, and the zero-after-softmax research variant; an
 of the scores (applied before the mask) on half of the grid.
 """
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from causal_lm.model import kernels
+from causal_lm.config import ConfigError
+from causal_lm.model import backends, kernels
 from causal_lm.model.mask import AttentionMask, make_mask, segment_positions
 
 N, H = 4, 8
@@ -202,3 +206,180 @@ def test_dot_product_attention_refuses_softcapping():
     q, k, v = _qkv(3, 20, 2)
     with pytest.raises(ValueError, match="softcapping"):
         kernels.xla_dot_product_attention(q, k, v, _chunk_mask(3, 20), scale=0.3, softcap=5.0)
+
+
+# ---- fused backends: splash (Pallas interpret mode on a CPU) and cuDNN (on a GPU) ------------------------------
+
+
+def _decoder_mask(T, window=0, segments=False):
+    """The mask the decoder makes over its own positions, with the structure a fused kernel reads (windows and
+    segment ids, see AttentionMask): padding at the end of row 1 when segmented."""
+    seg = None
+    if segments:
+        s = np.ones((2, T), np.int32)
+        s[0, T // 3 :] = 2
+        s[1, T // 2 :] = 3
+        s[1, -3:] = 0
+        seg = jnp.asarray(s)
+    m = _self_mask(T, window=window or None, segments=segments)
+    return AttentionMask(m.visible, index_causal=True, windows=(window,), segment_ids=seg)
+
+
+SPLASH_CASES = {
+    # name: (T, kv heads, window, segments, sink, softcap, tile)
+    "causal-mha": (40, 4, 0, False, False, None, None),
+    "window-gqa-sink": (24, 2, 5, False, True, None, None),
+    "packed-mqa-softcap": (30, 1, 0, True, False, SOFTCAP, None),
+    "packed-window-gqa-sink-softcap": (30, 2, 4, True, True, SOFTCAP, None),
+    "causal-gqa-tiles-of-128": (200, 2, 0, False, False, None, 128),  # 2 x 2 tiles, one skipped as fully masked
+}
+SINK = jnp.asarray([-1.0, 0.5, 2.0, 0.0], jnp.float32)
+
+
+@functools.cache
+def _splash_fn(softcap, block):
+    """One jitted splash call per static setting (Pallas interpret mode compiles a large program: jitted, the
+    cases cost ~2 s each rather than ~8 s eagerly)."""
+
+    @jax.jit
+    def run(q, k, v, mask, sink, scale):
+        return backends.splash_attention(q, k, v, mask, scale=scale, sink=sink, softcap=softcap, block=block)
+
+    return run
+
+
+@pytest.mark.parametrize("case", SPLASH_CASES)
+def test_splash_equals_the_reference(case):
+    """Splash attention (causal / window / packed segments with padding, MHA / GQA / MQA, sinks, softcapping,
+    several tiles) equals the reference kernel over the same mask in float32 within 1e-5."""
+    T, kv, window, segments, sink, softcap, block = SPLASH_CASES[case]
+    mask = _decoder_mask(T, window, segments)
+    q, k, v = _qkv(T, T, kv, seed=T + kv)
+    s = SINK if sink else None
+    ref, _ = kernels.reference_attention(q, k, v, mask, scale=0.4, sink=s, softcap=softcap)
+    out = _splash_fn(softcap, block)(q, k, v, mask, s, 0.4)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=ATOL, rtol=0)
+    if segments:  # padding rows are zeros, as in the reference
+        assert np.all(np.asarray(out)[1, -3:] == 0)
+
+
+def test_splash_gradients_equal_the_reference():
+    """The backward kernels (dq, dk/dv, the sink's gradient) against the reference's autodiff, packed segments with
+    a window, GQA, sinks and softcapping, in float32 within 1e-5."""
+    T, window = 30, 4
+    mask = _decoder_mask(T, window, segments=True)
+    q, k, v = _qkv(T, T, 2, seed=7)
+    ct = jnp.asarray(np.random.default_rng(8).standard_normal((2, T, N, H)), jnp.float32)
+
+    def loss(kernel):
+        return lambda q, k, v, s: jnp.sum(kernel(q, k, v, mask, scale=0.4, sink=s, softcap=SOFTCAP) * ct)
+
+    grads = jax.jit(jax.grad(loss(backends.splash_attention), argnums=(0, 1, 2, 3)))(q, k, v, SINK)
+    ref_attn = lambda *a, **kw: kernels.reference_attention(*a, **kw)[0]  # noqa: E731
+    want = jax.grad(loss(ref_attn), argnums=(0, 1, 2, 3))(q, k, v, SINK)
+    for name, g, w in zip("q k v sink".split(), grads, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=ATOL, rtol=0, err_msg=name)
+
+
+def test_fused_backends_leave_unstructured_masks_to_the_xla_kernels():
+    """A chunk at an offset over a cache, a decode step, a ring buffer, explicit positions (no `windows` on the
+    mask): no fused kernel applies, the dispatcher takes the XLA kernels, and the result is the reference's."""
+    for T, S, build in (CASES["chunk-3-at-offset"], CASES["ring-2"], CASES["window-5"]):
+        mask = build()
+        q, k, v = _qkv(T, S, 2)
+        assert not backends.applies(mask, q, k)
+        out, _ = kernels.attention(q, k, v, mask, impl="splash", scale=0.3)
+        ref, _ = kernels.reference_attention(q, k, v, mask, scale=0.3)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=ATOL, rtol=0)
+
+
+def test_cudnn_is_refused_off_a_gpu():
+    """A named cuDNN backend on a CPU: a ConfigError saying so when the model first runs; `auto` falls back."""
+    q, k, v = _qkv(24, 24, 2)
+    mask = _decoder_mask(24)
+    with pytest.raises(ConfigError, match="'cudnn' needs an NVIDIA GPU, but JAX's backend here is 'cpu'"):
+        kernels.attention(q, k, v, mask, impl="cudnn", scale=0.3)
+    out, _ = kernels.attention(q, k, v, mask, impl="auto", scale=0.3)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(kernels.attention(q, k, v, mask, scale=0.3)[0]))
+
+
+@pytest.mark.parametrize(
+    "plat, dtype, extra, want",
+    [
+        ("cpu", "float32", {}, None),
+        ("tpu", "bfloat16", {}, "splash"),
+        ("tpu", "bfloat16", dict(sink=True, softcap=True), "splash"),
+        ("gpu", "bfloat16", {}, "cudnn"),
+        ("gpu", "float16", {}, "cudnn"),
+        ("gpu", "float32", {}, None),
+        ("gpu", "bfloat16", dict(sink=True), None),
+        ("gpu", "bfloat16", dict(softcap=True), None),
+    ],
+)
+def test_auto_picks_the_fused_kernel_the_platform_and_call_allow(plat, dtype, extra, want):
+    assert backends.resolve("auto", plat, dtype, 64, **extra) == want
+
+
+@pytest.mark.parametrize(
+    "impl, plat, dtype, head_dim, extra, match",
+    [
+        ("cudnn", "tpu", "bfloat16", 64, {}, "needs an NVIDIA GPU"),
+        ("cudnn", "gpu", "float32", 64, {}, "float32 compute"),
+        ("cudnn", "gpu", "bfloat16", 12, {}, "head_dim=12"),
+        ("cudnn", "gpu", "bfloat16", 64, dict(sink=True), "sink logits"),
+        ("splash", "gpu", "bfloat16", 64, {}, "is a TPU kernel"),
+    ],
+)
+def test_a_named_backend_that_cannot_run_is_refused(impl, plat, dtype, head_dim, extra, match):
+    with pytest.raises(ConfigError, match=match):
+        backends.resolve(impl, plat, dtype, head_dim, **extra)
+
+
+ACCEL_CASES = {"causal": (0, False), "window-64": (64, False), "packed": (0, True)}
+
+
+@pytest.mark.accelerator
+@pytest.mark.parametrize("kv", [8, 2, 1], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("case", ACCEL_CASES)
+def test_the_fused_backend_on_the_device_equals_the_reference_in_bf16(case, kv):
+    """On a GPU (cuDNN) or TPU (splash, compiled): bf16 inputs, T=256, 8 heads of 64. The fused kernel's output and
+    gradients against the float32 reference over the same bf16-rounded inputs: within 2e-2 (outputs, |v| ~ 1) and
+    5e-2 (gradients), what bf16's 8-bit mantissa allows for weights and values rounded once more inside the kernel.
+    Run by ./launch/device_check.sh (pytest -m accelerator)."""
+    plat = backends.platform()
+    if plat == "cpu":
+        pytest.skip("no accelerator: JAX's default backend is the CPU (splash runs here in interpret mode instead)")
+    name = "cudnn" if plat == "gpu" else "splash"
+    window, segments = ACCEL_CASES[case]
+    T, Nd, Hd = 256, 8, 64
+    r = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(r.standard_normal((2, T, n, Hd)), jnp.bfloat16) for n in (Nd, kv, kv))
+    seg = None
+    if segments:
+        s = np.ones((2, T), np.int32)
+        s[0, 100:] = 2
+        s[1, 200:] = 0
+        seg = jnp.asarray(s)
+    pos = segment_positions(seg) if segments else jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (2, T))
+    valid = jnp.ones((2, T), bool) if seg is None else seg != 0
+    mask = AttentionMask(
+        make_mask(pos, pos, valid, seg, seg, window=window or None),
+        index_causal=True,
+        windows=(window,),
+        segment_ids=seg,
+    )
+    ct = jnp.asarray(r.standard_normal((2, T, Nd, Hd)), jnp.float32)
+    scale = Hd**-0.5
+
+    def loss(fn, dtype):
+        def f(q, k, v):
+            out = fn(q.astype(dtype), k.astype(dtype), v.astype(dtype), mask, scale=scale)
+            return jnp.sum(out.astype(jnp.float32) * ct), out
+
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))
+
+    (_, out), grads = loss(backends.KERNELS[name], jnp.bfloat16)(q, k, v)
+    (_, ref), want = loss(lambda *a, **kw: kernels.reference_attention(*a, **kw)[0], jnp.float32)(q, k, v)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), atol=2e-2, rtol=0, err_msg=name)
+    for g, w, what in zip(grads, want, "qkv", strict=True):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w), atol=5e-2, rtol=0, err_msg=f"d{what}")

@@ -164,14 +164,15 @@ SPLASH_BLOCK = 128  # splash's key blocks must be multiples of 128 lanes; sequen
 
 
 @functools.lru_cache(maxsize=64)
-def _splash_kernel(T: int, N: int, window: int, softcap: float | None, interpret: bool):
+def _splash_kernel(T: int, N: int, window: int, softcap: float | None, interpret: bool, block: int | None = None):
     """A splash kernel for T (a multiple of SPLASH_BLOCK) tokens and N query heads: causal, or the sliding window
-    (a query at index i sees keys i - window + 1 .. i). Built on the host from static facts, so cached."""
+    (a query at index i sees keys i - window + 1 .. i). Built on the host from static facts, so cached. block:
+    the tile size (default: the largest multiple of 128 up to 512 that divides T)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
     one = sm.LocalMask((T, T), window_size=(window - 1, 0), offset=0) if window else sm.CausalMask((T, T))
-    b = min(T, 512)  # a divisor of T (T is a multiple of 128): larger blocks where the sequence allows
+    b = block or min(T, 512)  # a divisor of T (T is a multiple of 128): larger blocks where the sequence allows
     while T % b:
         b -= SPLASH_BLOCK
     blocks = sk.BlockSizes(
@@ -184,23 +185,26 @@ def _splash_kernel(T: int, N: int, window: int, softcap: float | None, interpret
         block_q_dq=b,
         block_kv_dq=b,
     )
-    return sk.make_splash_mha(
-        sm.MultiHeadMask([one] * N),
-        block_sizes=blocks,
-        head_shards=1,
-        q_seq_shards=1,
-        attn_logits_soft_cap=softcap,
-        interpret=interpret,
-    )
+    # The kernel holds its mask tables as arrays: made concrete here, so the cached kernel never keeps the tracers
+    # of the trace that first built it.
+    with jax.ensure_compile_time_eval():
+        return sk.make_splash_mha(
+            sm.MultiHeadMask([one] * N),
+            block_sizes=blocks,
+            head_shards=1,
+            q_seq_shards=1,
+            attn_logits_soft_cap=softcap,
+            interpret=interpret,
+        )
 
 
-def splash_attention(q, k, v, mask: AttentionMask, *, scale, sink=None, softcap=None, interpret=None):
+def splash_attention(q, k, v, mask: AttentionMask, *, scale, sink=None, softcap=None, interpret=None, block=None):
     """Pallas splash attention: q [B, T, N, H], k/v [B, T, K, H] (GQA/MQA natively: query head n reads KV head
     n // G), causal or windowed by index, segment ids from the mask, optional sink logits and softcapping.
 
     The scale is folded into q; T is padded to a multiple of 128 at the end (padded keys come after every real
     query, so causality hides them; with segments they also get their own id). interpret: Pallas interpret mode
-    (default: off a TPU), what lets the tests run it on a CPU."""
+    (default: off a TPU), what lets the tests run it on a CPU. block: the tile size (a multiple of 128)."""
     from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel import SegmentIds
 
     if interpret is None:
@@ -218,7 +222,7 @@ def splash_attention(q, k, v, mask: AttentionMask, *, scale, sink=None, softcap=
     sinks = None if sink is None else sink.astype(jnp.float32)
 
     def run(window, qh, kh, vh, seg):
-        kernel = _splash_kernel(Tp, N, int(window), float(softcap) if softcap else None, bool(interpret))
+        kernel = _splash_kernel(Tp, N, int(window), float(softcap) if softcap else None, bool(interpret), block)
 
         def one_row(qb, kb, vb, sb):
             ids = None if sb is None else SegmentIds(q=sb, kv=sb)
