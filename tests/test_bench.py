@@ -6,7 +6,7 @@ import pytest
 
 from causal_lm import bench
 from causal_lm.cli import main
-from causal_lm.config import Config, ModelConfig, TrainConfig
+from causal_lm.config import REMATS, Config, ModelConfig, TrainConfig
 
 TINY = Config(
     model=ModelConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=2, mlp_dim=64, max_seq_len=64),
@@ -142,3 +142,23 @@ def test_cli_bench_json_without_peer(capsys, monkeypatch):
     r = json.loads(capsys.readouterr().out)
     assert r["peer"] is None and r["ratio_vs_peer"] is None and r["peer_status"] == "skipped"
     assert r["ours"]["tokens_per_s"] > 0
+
+
+def test_bench_train_rows_per_remat_policy():
+    """`bench train --remat all`: one row per policy with step time and the compiled program's memory; keeping less
+    for the backward pass needs fewer temporary bytes (none > minimal > full at this shape)."""
+    r = bench.bench_train(TINY, steps=1, warmup=1, compile_layers=(), ceilings=CEILINGS, peer=False, remat=REMATS)
+    json.dumps(r)
+    assert [row["remat"] for row in r["remat"]] == list(REMATS)
+    assert all(_positive(row["step_s"]) and row["memory"]["peak_bytes"] > 0 for row in r["remat"])
+    temp = [row["memory"]["temp_bytes"] for row in r["remat"]]
+    assert temp[0] > temp[1] > temp[2], temp
+    assert r["ours"]["memory"]["temp_bytes"] == temp[0]  # TINY's own policy is none
+    text = bench.format_train(r)
+    assert "model.remat" in text and "peak memory (MiB)" in text and text.count("\nminimal ") == 1
+
+
+def test_cli_bench_refuses_an_unknown_remat_policy(capsys):
+    assert main(["bench", "train", "--no-peer", "--remat", "some", "--config", "tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "--remat takes none, minimal, full or 'all'" in err

@@ -77,10 +77,29 @@ def compile_seconds(config: Config, num_layers: int | None = None) -> float:
     return _compile_train_step(config, graphdef, state, rest, batch)[1]
 
 
+def memory(compiled) -> dict | None:
+    """The compiled program's memory (`compiled.memory_analysis()`), in bytes: peak_bytes is arguments + outputs +
+    temporaries - aliased (donated) buffers, or the backend's own peak where it reports a larger one (XLA:CPU's is
+    not a peak); None where the backend gives no analysis."""
+    ma = compiled.memory_analysis()
+    if ma is None:
+        return None
+    out = {
+        "argument_bytes": ma.argument_size_in_bytes,
+        "output_bytes": ma.output_size_in_bytes,
+        "temp_bytes": ma.temp_size_in_bytes,
+        "alias_bytes": ma.alias_size_in_bytes,
+    }
+    derived = out["argument_bytes"] + out["output_bytes"] + out["temp_bytes"] - out["alias_bytes"]
+    out["peak_bytes"] = max(derived, getattr(ma, "peak_memory_in_bytes", 0))
+    return out
+
+
 def _train_ours(config: Config, graphdef, params, rest, batch, steps: int, warmup: int) -> dict:
     t = config.train
     state = init_train_state(jax.tree.map(jnp.copy, params), make_optimizer(t), t.seed)  # the step donates it
     compiled, compile_s = _compile_train_step(config, graphdef, state, rest, batch)
+    mem = memory(compiled)
     hp = hyperparams(t)
     box = {"state": state}
     t0 = time.perf_counter()
@@ -93,7 +112,13 @@ def _train_ours(config: Config, graphdef, params, rest, batch, steps: int, warmu
         jax.block_until_ready(m)
 
     times = time_steps(run_step, steps, max(0, warmup - 1))
-    return {"step_times_s": times, "compile_s": compile_s, "first_step_run_s": first_step_s, "first_loss": first_loss}
+    return {
+        "step_times_s": times,
+        "compile_s": compile_s,
+        "first_step_run_s": first_step_s,
+        "first_loss": first_loss,
+        "memory": mem,
+    }
 
 
 def bench_train(
@@ -106,10 +131,12 @@ def bench_train(
     compile_layers: Sequence[int] = (2, 12),
     ceilings: dict | None = None,
     profile: str | None = None,
+    remat: Sequence[str] = (),
 ) -> dict:
     """Training throughput of `config` (its model and train.batch_size x train.seq_len) and of the peer.
 
     profile: write a jax.profiler trace of our timed steps into this directory.
+    remat: also time the step under each of these `model.remat` policies (rows of step time and peak memory).
 
     Returns the JSON object of `causal-lm bench train --json`: machine, jax_version, ours {tokens_per_s, step_s,
     mfu, compile_s, ...}, peer {tokens_per_s, step_s, mfu, ...} or None, ratio_vs_peer, compile_layers (compile
@@ -144,6 +171,14 @@ def bench_train(
     if status == "ok":
         r = train_peer(config, params, batch, steps, warmup)
         peer_result = {**summary(r.pop("step_times_s")), **r}
+    remat_rows = []
+    for policy in remat:
+        c = dataclasses.replace(config, model=m.replace(remat=policy))
+        # the model's graph carries its config (and so the policy): a new one, with the same parameters
+        policy_graphdef, _, _ = split_params(nnx.eval_shape(lambda c=c: build_model(c.model, 0)))
+        r = _train_ours(c, policy_graphdef, params, rest, batch, steps, warmup)
+        row = summary(r.pop("step_times_s"))
+        remat_rows.append({"remat": policy, "step_s": row["step_s"], "tokens_per_s": row["tokens_per_s"], **r})
     depth = {}
     for n in compile_layers:
         depth[str(n)] = compile_seconds(config, n)
@@ -164,6 +199,7 @@ def bench_train(
         "peer_status": status,
         "ratio_vs_peer": ratio(ours["tokens_per_s"], peer_result and peer_result["tokens_per_s"]),
         "compile_layers": depth,
+        "remat": remat_rows,
         "profile": profile,
     }
 
@@ -200,6 +236,17 @@ def format_train(r: dict) -> str:
             + ", ".join(f"{k} layers {d[str(k)]:.1f} s" for k in depths)
             + f" (ratio {d['ratio']:.2f})"
         )
+    if o.get("memory"):
+        lines.append(f"{'peak memory (MiB)':22s}{o['memory']['peak_bytes'] / 2**20:>14.1f}")
+    if r.get("remat"):
+        lines += ["", f"{'model.remat':22s}{'step time (s)':>14s}{'peak (MiB)':>16s}{'temp (MiB)':>13s}"]
+        for row in r["remat"]:
+            mem = row["memory"] or {}
+            peak, temp = mem.get("peak_bytes"), mem.get("temp_bytes")
+            lines.append(
+                f"{row['remat']:22s}{row['step_s']:>14.3f}{fmt(peak and peak / 2**20, '.1f'):>16s}"
+                f"{fmt(temp and temp / 2**20, '.1f'):>13s}"
+            )
     if r["peer_status"].startswith("not comparable"):
         lines.append(f"peer: {r['peer_status']}")
     return "\n".join(lines)

@@ -9,6 +9,7 @@ import json
 
 from causal_lm.bench import bench_decode, bench_train, format_decode, format_train
 from causal_lm.commands.common import add_config_args, config_from_args
+from causal_lm.config import REMATS
 
 
 def register(sub):
@@ -28,6 +29,12 @@ def register(sub):
         "--compile-layers",
         default="2,12",
         help="depths whose first-step compile time is measured, comma-separated ('' = none)",
+    )
+    t.add_argument(
+        "--remat",
+        default="",
+        help="also time each model.remat policy, comma-separated (none,minimal,full) or 'all': step time and "
+        "peak memory (compiled.memory_analysis()) per policy",
     )
     t.set_defaults(func=run_train)
     d = which.add_parser("decode", help="generate tokens/s with the KV cache and with recompute")
@@ -69,6 +76,16 @@ def _ints(text: str) -> tuple:
         raise ValueError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _remat_policies(text: str) -> tuple:
+    if text.strip() == "all":
+        return REMATS
+    policies = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [p for p in policies if p not in REMATS]
+    if bad:
+        raise ValueError(f"--remat takes {', '.join(REMATS)} or 'all', comma-separated; got {', '.join(bad)}")
+    return policies
+
+
 def run_train(args) -> int:
     r = bench_train(
         config_from_args(args),
@@ -78,6 +95,7 @@ def run_train(args) -> int:
         quick=args.quick,
         compile_layers=_ints(args.compile_layers),
         profile=args.profile,
+        remat=_remat_policies(args.remat),
     )
     print(json.dumps(r) if args.json else format_train(r))
     return 0
