@@ -364,3 +364,101 @@ def test_public_api():
     b = np.asarray(causal_lm.build_model(config, seed=1).embed[...])
     np.testing.assert_array_equal(a, np.asarray(model.embed[...]))
     assert not np.array_equal(a, b)
+
+
+# ---- attention backends and rematerialisation (issue 17) -----------------------------------------------------
+
+
+def _segments(B, T):
+    seg = np.ones((B, T), np.int32)
+    seg[0, T // 3 :] = 2
+    seg[-1, -4:] = 0
+    return seg
+
+
+@pytest.mark.parametrize("variant", [("gqa", "rope_full", False, False), ("mqa", "rope_partial", True, True)])
+def test_auto_is_the_xla_path_on_a_cpu_bit_for_bit(variant):
+    """The new default `auto` runs exactly the XLA kernels on a CPU: logits identical to attention_impl=xla."""
+    config = tiny_config(*variant)
+    assert config.attention_impl == "auto"
+    tokens, seg = _tokens(config, T=24), _segments(2, 24)
+    xla = config.replace(attention_impl="xla")
+    for c in (config, xla):
+        nnx.update(tiny_model(c), nnx.state(tiny_model(config)))
+    run = lambda c: np.asarray(jax.jit(lambda t, s: tiny_model(c)(t, segment_ids=s)[0])(tokens, seg))  # noqa: E731
+    np.testing.assert_array_equal(run(config), run(xla))
+
+
+def test_a_splash_model_equals_the_xla_model():
+    """The whole decoder with attention_impl=splash (Pallas interpret mode on a CPU) against xla: local and global
+    layers in one scan (the window is picked per layer by a switch), packed segments with padding, GQA, sinks;
+    float32 within 1e-5."""
+    config = tiny_config("gqa", "rope_full", sink=True, sliding_window=5, layer_pattern="local,global")
+    splash = config.replace(attention_impl="splash")
+    nnx.update(tiny_model(splash), nnx.state(tiny_model(config)))
+    tokens, seg = _tokens(config, T=24), _segments(2, 24)
+    run = lambda c: np.asarray(jax.jit(lambda t, s: tiny_model(c)(t, segment_ids=s)[0])(tokens, seg))  # noqa: E731
+    np.testing.assert_allclose(run(splash), run(config), atol=1e-5, rtol=0)
+
+
+def test_cudnn_is_refused_when_the_model_runs_on_a_cpu():
+    """The config loads anywhere (a GPU job's config on a CPU host); running it off a GPU is a ConfigError."""
+    config = tiny_config("gqa", "rope_full", attention_impl="cudnn", dtype="bfloat16")
+    model = build_model(config)
+    with pytest.raises(ConfigError, match="'cudnn' needs an NVIDIA GPU"):
+        model(_tokens(config))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(attention_impl="cudnn", attn_sink=True), "'cudnn' cannot run model.attn_sink"),
+        (
+            dict(attention_impl="cudnn", attn_softcap=30.0),
+            "attn_softcap needs attention_impl='xla', 'auto' or 'splash'",
+        ),
+        (dict(attention_impl="splash", attention_mask="causal_after_softmax"), "'splash' cannot run attention_mask="),
+        (dict(attention_impl="cudnn", attention_mask="none"), "'cudnn' cannot run attention_mask='none'"),
+        (dict(attention_impl="flash"), "attention_impl must be one of"),
+        (dict(remat="some"), "model.remat must be one of"),
+    ],
+)
+def test_fused_backend_and_remat_config_errors(kwargs, match):
+    base = dict(vocab_size=61, d_model=32, num_layers=2, num_heads=4, mlp_dim=48, max_seq_len=64)
+    with pytest.raises(ConfigError, match=match):
+        ModelConfig(**{**base, **kwargs})
+
+
+def test_remat_accepts_the_old_booleans():
+    """Old workdirs' config.json hold remat true/false: they load as full/none, as do key=value booleans."""
+    from causal_lm.config import config_from_dict, config_to_dict
+
+    assert ModelConfig(remat=True).remat == "full" and ModelConfig(remat=False).remat == "none"
+    old = config_to_dict(load_config("tiny"))
+    old["model"]["remat"] = True
+    assert config_from_dict(old).model.remat == "full"
+    assert apply_overrides(load_config("tiny"), ["model.remat=false"]).model.remat == "none"
+    assert apply_overrides(load_config("tiny"), ["remat=minimal"]).model.remat == "minimal"
+
+
+def test_remat_policies_give_the_gradients_of_no_remat():
+    """none, minimal and full rematerialisation: the same parameter gradients (float32, within 1e-6), and the
+    policies differ in what they keep (the compiled gradient's temporaries shrink from none to full)."""
+    base = tiny_config("gqa", "rope_full", gate=True)
+    tokens, seg = _tokens(base, T=32), _segments(2, 32)
+    grads, temp = {}, {}
+    for remat in ("none", "minimal", "full"):
+        model = build_model(base.replace(remat=remat), seed=0)
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def loss(params, graphdef=graphdef, rest=rest):
+            logits = nnx.merge(graphdef, params, rest)(tokens, segment_ids=seg)[0]
+            return jnp.mean(jax.nn.logsumexp(logits, -1) - logits[..., 0])
+
+        fn = jax.jit(jax.grad(loss))
+        temp[remat] = fn.lower(params).compile().memory_analysis().temp_size_in_bytes
+        grads[remat] = jax.tree.leaves(fn(params))
+    for remat in ("minimal", "full"):
+        for g, want in zip(grads[remat], grads["none"], strict=True):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(want), atol=1e-6, rtol=0, err_msg=remat)
+    assert temp["none"] > temp["minimal"] > temp["full"], temp
