@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from causal_lm.config import ConfigError
+from causal_lm.config import ConfigError, ModelConfig
 from causal_lm.model import backends, kernels
 from causal_lm.model.mask import AttentionMask, make_mask, segment_positions
 
@@ -333,6 +333,25 @@ def test_auto_picks_the_fused_kernel_the_platform_and_call_allow(plat, dtype, ex
 def test_a_named_backend_that_cannot_run_is_refused(impl, plat, dtype, head_dim, extra, match):
     with pytest.raises(ConfigError, match=match):
         backends.resolve(impl, plat, dtype, head_dim, **extra)
+
+
+@pytest.mark.parametrize(
+    "impl, plat, dtype, extra, want",
+    [
+        ("auto", "cpu", "float32", {}, "auto on cpu: xla for training and forward passes without a cache; xla kernels"),
+        ("auto", "gpu", "bfloat16", {}, "auto on gpu: cudnn for training"),
+        ("auto", "gpu", "bfloat16", dict(attn_sink=True), "auto on gpu: xla for training"),
+        ("auto", "tpu", "bfloat16", dict(attn_sink=True), "auto on tpu: splash for training"),
+        ("splash", "cpu", "float32", {}, "splash (Pallas interpret mode: exact, slow) for training"),
+        ("auto", "tpu", "bfloat16", dict(attention_mask="none"), "auto on tpu: xla for training"),
+        ("dot_product_attention", "gpu", "bfloat16", {}, "dot_product_attention for training"),
+    ],
+)
+def test_the_start_up_line_names_the_kernels_of_each_phase(impl, plat, dtype, extra, want):
+    """What train and generate print once at start-up (backends.describe), per platform and config."""
+    m = ModelConfig(num_heads=4, d_model=256, attention_impl=impl, dtype=dtype, **extra)
+    assert want in backends.describe(m, plat)
+    assert "kernels for prefill and decode over the KV cache" in backends.describe(m, plat)
 
 
 ACCEL_CASES = {"causal": (0, False), "window-64": (64, False), "packed": (0, True)}

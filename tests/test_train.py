@@ -243,6 +243,10 @@ def test_bad_inputs_fail_before_any_compute(tmp_path, capsys):
     assert "nope.jsonl" in capsys.readouterr().err and not workdir.exists()
     assert main(["eval", "--workdir", str(tmp_path / "never_trained")]) == 2
     assert "no checkpoints" in capsys.readouterr().err
+    # a fused attention backend this platform lacks (a GPU's cuDNN on this CPU): one line, nothing created
+    assert main(["train", "--config", "tiny", "model.attention_impl=cudnn", "--workdir", str(workdir)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("error:") == 1 and "'cudnn' needs an NVIDIA GPU" in err and not workdir.exists()
 
 
 def test_microbatches_equal_one_big_batch():

@@ -11,7 +11,7 @@ from causal_lm.config import load_config
 from causal_lm.data.tokenizer import ByteTokenizer
 from causal_lm.decode import generate
 from causal_lm.interop.chat import apply_chat_template
-from causal_lm.model import build_model
+from causal_lm.model import backends, build_model
 from causal_lm.train.checkpoint import load_for_inference
 
 
@@ -75,6 +75,7 @@ def run(args) -> int:
     if args.chat is not None and not args.workdir:
         raise ValueError("--chat needs --workdir: a converted instruct model whose tokenizer has a chat template")
     model, tok = load_model_and_tokenizer(args.workdir, args.config, args.overrides)
+    print(backends.describe(model.config), file=sys.stderr)  # and a backend that cannot run here fails now
     if args.chat is not None:
         text = apply_chat_template(tok, [{"role": "user", "content": args.chat}], add_generation_prompt=True)
         shown = ""  # the reply alone, not the template's markup

@@ -34,7 +34,6 @@ from causal_lm.config import ConfigError, ModelConfig, fused_backend_unsupported
 from causal_lm.model.mask import AttentionMask
 
 FUSED = ("cudnn", "splash")
-_logged: set = set()
 
 
 def platform() -> str:
@@ -99,15 +98,6 @@ def describe(m: ModelConfig, plat: str | None = None) -> str:
         f"attention: model.attention_impl={m.attention_impl} on {plat}: {whole}{note} for training and "
         f"forward passes without a cache; {base} kernels for prefill and decode over the KV cache"
     )
-
-
-def log_once(m: ModelConfig, printer=print) -> str:
-    """`describe` printed once per process and model setting (train and generate call it at start-up)."""
-    line = describe(m)
-    if line not in _logged:
-        _logged.add(line)
-        printer(line)
-    return line
 
 
 def applies(mask: AttentionMask, q, k) -> bool:

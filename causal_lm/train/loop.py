@@ -38,6 +38,7 @@ from causal_lm import parallel
 from causal_lm.config import Config, ConfigError, config_to_dict
 from causal_lm.data.pipeline import build_data
 from causal_lm.data.tokenizer import tokenizer_from_dict
+from causal_lm.model import backends
 from causal_lm.notes import note
 from causal_lm.train.checkpoint import (
     CHECKPOINT_DIR,
@@ -156,6 +157,8 @@ def train_and_evaluate(
     another run holds the workdir, and DivergenceError (NonFiniteLossError for a non-finite loss or gradient)
     naming the step and the last healthy checkpoint when training diverges.
     """
+    # A named attention backend that cannot run on this platform fails before the workdir is touched.
+    backends.describe(resolve_config(config).model)
     # Only process 0 locks: the other processes of a multi-host run share the workdir on purpose.
     lock = WorkdirLock(workdir) if parallel.is_main_process() else None
     if lock is not None:
@@ -292,6 +295,7 @@ def _train(
 ) -> dict:
     t, m = config.train, config.model
     main = parallel.is_main_process()
+    attention_line = backends.describe(m)  # which attention kernels run, said once at start-up
     # ---- model, optimizer, state ------------------------------------------------------------------------------
     mesh = parallel.training_mesh(config.mesh)  # None on one device: the unsharded path
     optimizer = make_optimizer(t)
@@ -353,6 +357,7 @@ def _train(
         f"{m.attention_label if hasattr(m, 'attention_label') else m.attention_type}, vocab {m.vocab_size} "
         f"({data.tokenizer.kind} tokenizer), {m.dtype} compute on {jax.default_backend()}"
     )
+    console.print(attention_line)
     if mesh is not None:
         split = parallel.batch_split(mesh, t.batch_size)
         console.print(
