@@ -4,7 +4,9 @@ stands on the machine's accelerator, in one short run, written as one JSON summa
 Three parts, each in its own subprocess (so no part holds the accelerator's memory while another runs, and a
 crash in one is reported without losing the others):
 
-    tests    pytest -m accelerator: the tests that need a GPU/TPU (backend equality in bf16 on the device)
+    tests    pytest -m accelerator: the tests that need a GPU/TPU: the forward pass against the CPU's, and the fused
+             attention kernel of the platform (cuDNN on a GPU, splash on a TPU) against the reference kernel in
+             bf16, outputs and gradients (tests/test_kernels.py, bounds stated there)
     train    `causal-lm bench train` at the GPT-2-small shape (configs/gpt2_124m.py, bf16 compute): tokens/s and
              MFU against the device's catalogued dense bf16 peak (causal_lm.train.metrics.DATASHEET)
     decode   `causal-lm bench decode` at batch 1, 8 and 64 (bf16 weights and cache): tokens/s against the
