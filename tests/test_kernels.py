@@ -309,6 +309,8 @@ def test_cudnn_is_refused_off_a_gpu():
         ("cpu", "float32", {}, None),
         ("tpu", "bfloat16", {}, "splash"),
         ("tpu", "bfloat16", dict(sink=True, softcap=True), "splash"),
+        ("tpu", "bfloat16", dict(devices=4), None),  # no partitioning rule for a Pallas call: xla on a mesh
+        ("gpu", "bfloat16", dict(devices=8), "cudnn"),
         ("gpu", "bfloat16", {}, "cudnn"),
         ("gpu", "float16", {}, "cudnn"),
         ("gpu", "float32", {}, None),
@@ -328,6 +330,7 @@ def test_auto_picks_the_fused_kernel_the_platform_and_call_allow(plat, dtype, ex
         ("cudnn", "gpu", "bfloat16", 12, {}, "head_dim=12"),
         ("cudnn", "gpu", "bfloat16", 64, dict(sink=True), "sink logits"),
         ("splash", "gpu", "bfloat16", 64, {}, "is a TPU kernel"),
+        ("splash", "tpu", "bfloat16", 64, dict(devices=8), "runs on one device, but this process sees 8"),
     ],
 )
 def test_a_named_backend_that_cannot_run_is_refused(impl, plat, dtype, head_dim, extra, match):
@@ -350,8 +353,8 @@ def test_a_named_backend_that_cannot_run_is_refused(impl, plat, dtype, head_dim,
 def test_the_start_up_line_names_the_kernels_of_each_phase(impl, plat, dtype, extra, want):
     """What train and generate print once at start-up (backends.describe), per platform and config."""
     m = ModelConfig(num_heads=4, d_model=256, attention_impl=impl, dtype=dtype, **extra)
-    assert want in backends.describe(m, plat)
-    assert "kernels for prefill and decode over the KV cache" in backends.describe(m, plat)
+    assert want in backends.describe(m, plat, devices=1)
+    assert "kernels for prefill and decode over the KV cache" in backends.describe(m, plat, devices=1)
 
 
 ACCEL_CASES = {"causal": (0, False), "window-64": (64, False), "packed": (0, True)}

@@ -7,7 +7,8 @@
     cudnn                  jax.nn.dot_product_attention(implementation="cudnn"): NVIDIA GPUs, bf16/fp16 compute
     splash                 jax.experimental.pallas.ops.tpu.splash_attention: TPUs (on a CPU in Pallas interpret
                            mode, exact but slow: what the tests run)
-    auto                   splash on a TPU, cudnn on a GPU where the config and compute dtype allow, else xla
+    auto                   splash on a single TPU device, cudnn on GPUs where the config and compute dtype allow,
+                           else xla
 
 A fused kernel takes the mask as structure, never as the dense [B, T, S] array: causal by index, a sliding window
 by index, and segment ids (packed documents, 0 = padding). That equals the position mask (mask.py) exactly when the
@@ -54,12 +55,18 @@ def cudnn_unsupported(dtype, head_dim: int, *, sink: bool = False, softcap: bool
     return None
 
 
-def resolve(impl: str, plat: str, dtype, head_dim: int, *, sink: bool = False, softcap: bool = False) -> str | None:
+def resolve(
+    impl: str, plat: str, dtype, head_dim: int, *, sink: bool = False, softcap: bool = False, devices: int = 1
+) -> str | None:
     """The fused kernel ("cudnn" or "splash") that attention over a call's own tokens runs, or None for the XLA
-    kernels. Raises ConfigError when `impl` names a fused kernel the platform or the call cannot run."""
+    kernels. Raises ConfigError when `impl` names a fused kernel the platform or the call cannot run.
+
+    devices: how many devices the process sees. cuDNN's kernel carries XLA partitioning rules, so a sharded batch
+    stays sharded; a Pallas call has none (it would need a shard_map over the training mesh, not written yet), so
+    splash is used only where one device runs the program."""
     if impl == "auto":
         if plat == "tpu":
-            return "splash"
+            return "splash" if devices == 1 else None
         if plat == "gpu" and cudnn_unsupported(dtype, head_dim, sink=sink, softcap=softcap) is None:
             return "cudnn"
         return None
@@ -79,18 +86,31 @@ def resolve(impl: str, plat: str, dtype, head_dim: int, *, sink: bool = False, s
                 "model.attention_impl='splash' is a TPU kernel (on a CPU it runs in interpret mode, for tests); "
                 "on a GPU use attention_impl=cudnn or auto"
             )
+        if devices > 1:
+            raise ConfigError(
+                f"model.attention_impl='splash' runs on one device, but this process sees {devices} (the kernel is "
+                "not partitioned over a mesh yet); use attention_impl=auto or xla"
+            )
         return "splash"
     return None
 
 
-def describe(m: ModelConfig, plat: str | None = None) -> str:
-    """One line: which kernels attention runs in each phase for this model on this platform (raises ConfigError
-    for a named backend that cannot run here, before any compute)."""
+def describe(m: ModelConfig, plat: str | None = None, devices: int | None = None) -> str:
+    """One line: which kernels attention runs in each phase for this model on this platform and device count
+    (default: this process's; raises ConfigError for a named backend that cannot run here, before any compute)."""
     plat = plat or platform()
     fused = None
     auto_skips = m.attention_impl == "auto" and fused_backend_unsupported(m, "splash" if plat == "tpu" else "cudnn")
     if m.attention_type != "mla" and not auto_skips:
-        fused = resolve(m.attention_impl, plat, m.dtype, m.head_dim, sink=m.attn_sink, softcap=bool(m.attn_softcap))
+        fused = resolve(
+            m.attention_impl,
+            plat,
+            m.dtype,
+            m.head_dim,
+            sink=m.attn_sink,
+            softcap=bool(m.attn_softcap),
+            devices=jax.device_count() if devices is None else devices,
+        )
     base = "dot_product_attention" if m.attention_impl == "dot_product_attention" else "xla"
     whole = fused or base
     note = " (Pallas interpret mode: exact, slow)" if fused == "splash" and plat != "tpu" else ""

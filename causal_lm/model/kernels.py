@@ -249,7 +249,13 @@ def attention(
         return reference_attention(q, k, v, mask, scale=scale, sink=sink, softcap=softcap)
     if impl not in ("xla", "dot_product_attention"):  # auto, cudnn, splash (a named one off its platform: raises)
         fused = backends.resolve(
-            impl, backends.platform(), q.dtype, q.shape[-1], sink=sink is not None, softcap=bool(softcap)
+            impl,
+            backends.platform(),
+            q.dtype,
+            q.shape[-1],
+            sink=sink is not None,
+            softcap=bool(softcap),
+            devices=jax.device_count(),
         )
         if fused is not None and backends.applies(mask, q, k):
             return backends.KERNELS[fused](q, k, v, mask, scale=scale, sink=sink, softcap=softcap), None
