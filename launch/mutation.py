@@ -62,7 +62,22 @@ def run_one(mutant: dict, python: str) -> tuple[str, float, str]:
         proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True)
         dt = time.perf_counter() - t0
         last = (proc.stdout.strip().splitlines() or [""])[-1]
-        return ("caught" if proc.returncode != 0 else "survived"), dt, last
+        # pytest: 1 = tests failed, 2 = interrupted (e.g. the mutant breaks an import); 4 and 5 (usage error, no
+        # tests collected) mean the selection is wrong, not that the mutant was caught.
+        if proc.returncode in (1, 2):
+            return "caught", dt, last
+        return ("survived" if proc.returncode == 0 else "error"), dt, last
+
+
+def check_selections(mutants: list, python: str) -> list[str]:
+    """The node ids that do not collect in the unmutated repository (a typo would otherwise count as caught)."""
+    ids = sorted({t for m in mutants for t in m["tests"]})
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    cmd = [python, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *ids]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode == 0:
+        return []
+    return [t for t in ids if t not in proc.stdout] or [proc.stdout.strip().splitlines()[-1]]
 
 
 def main(argv=None) -> int:
@@ -80,6 +95,10 @@ def main(argv=None) -> int:
             print(f"{m['name']:32s} {m['file']}: {m['why']}\n{'':32s} tests: {' '.join(m['tests'])}")
         return 0
     python = sys.executable  # the launcher's: the repository's .venv, or MUTATION_PYTHON
+    missing = check_selections(chosen, python)
+    if missing:
+        print("error: these test selections do not collect: " + ", ".join(missing), file=sys.stderr)
+        return 2
     results, t_start = [], time.perf_counter()
     for m in chosen:
         outcome, dt, detail = run_one(m, python)

@@ -16,12 +16,14 @@ import pytest
 from flax import nnx
 from variants import tiny_config, tiny_model
 
+from causal_lm.config import TrainConfig
 from causal_lm.decode import generate
 from causal_lm.model.kernels import attention
 from causal_lm.model.kv_cache import init_cache
 from causal_lm.model.mask import AttentionMask, make_mask
 from causal_lm.model.rope import apply_rope, layer_rope_tables, rope_tables
 from causal_lm.model.transformer import Decoder
+from causal_lm.train.state import init_params, make_optimizer
 
 THETA = 10000.0
 
@@ -196,3 +198,49 @@ def test_int8_cache_reads_back_what_was_written():
         step = np.abs(exact).max(-1, keepdims=True) / 127.0
         assert np.all(np.abs(back - exact) <= 0.5 * step + 1e-6), name
         assert np.abs(exact).max() > 0.1
+
+
+def test_first_layer_attention_weights_by_hand():
+    """Layer 0's attention weights from the parameters, in float64 numpy: RMSNorm with the config's eps (a large
+    one, so it shows), q and k projections, RoPE by hand, scores times head_dim**-0.5, query head n reading KV head
+    n // G, the causal mask including the diagonal, softmax. Kills a wrong score scale, a hard-coded norm eps, a
+    wrong GQA mapping, a flipped rotation, a mask that hides the diagonal or shows the future."""
+    config = tiny_config("gqa", "rope_full", norm_eps=0.1)
+    model = tiny_model(config)
+    T, N, K, H = 7, config.num_heads, config.num_kv_heads, config.head_dim
+    tokens = np.random.default_rng(4).integers(0, config.vocab_size, (1, T)).astype(np.int32)
+    got = np.asarray(jax.jit(lambda t: model.attention_weights(t))(tokens))[0, 0]  # [N, T, T]
+
+    f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    x = f64(model.embed[...])[tokens[0]]  # [T, D]
+    gain = f64(model.blocks.attn_norm.scale[...])[0]
+    h = x / np.sqrt((x * x).mean(-1, keepdims=True) + 0.1) * gain
+    q = np.einsum("td,dnh->tnh", h, f64(model.blocks.attn.wq[...])[0])
+    k = np.einsum("td,dkh->tkh", h, f64(model.blocks.attn.wk[...])[0])
+    q = np.stack([_rotate_by_hand(q[t], t, H, config.rope_theta) for t in range(T)])
+    k = np.stack([_rotate_by_hand(k[t], t, H, config.rope_theta) for t in range(T)])
+    G = N // K
+    for n in range(N):
+        s = q[:, n] @ k[:, n // G].T / math.sqrt(H)  # [T, T]
+        s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        np.testing.assert_allclose(got[n], p / p.sum(-1, keepdims=True), atol=1e-5, err_msg=f"head {n}")
+
+
+@pytest.mark.parametrize("scale", [1e3, 1e-2], ids=["clipped", "under-the-limit"])
+def test_gradient_clipping_scales_the_whole_gradient_by_its_global_norm(scale):
+    """train.grad_clip=c: the optimizer sees g * min(1, c / ||g||) with ||g|| over every parameter together, as
+    AdamW's first momentum shows ((1 - beta1) times what it was given). Kills per-element or per-parameter
+    clipping, clipping after the optimizer, and none at all (AdamW's first update alone cannot tell: it is the
+    gradient's sign)."""
+    _, params, _ = init_params(tiny_config(), 0)
+    keys = iter(jax.random.split(jax.random.key(5), len(jax.tree.leaves(params))))
+    grads = jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape, p.dtype) * scale, params)
+    t = TrainConfig(grad_clip=1.0, beta1=0.9)
+    opt = make_optimizer(t)
+    _, state = jax.jit(opt.update)(grads, opt.init(params), params)
+    norm = math.sqrt(sum(float(np.sum(np.asarray(g, np.float64) ** 2)) for g in jax.tree.leaves(grads)))
+    factor = min(1.0, 1.0 / norm)
+    mu = state[1][0].mu  # chain(clip, adamw): AdamW's scale_by_adam state
+    for g, m in zip(jax.tree.leaves(grads), jax.tree.leaves(mu), strict=True):
+        np.testing.assert_allclose(np.asarray(m), 0.1 * np.asarray(g) * factor, rtol=1e-4, atol=1e-12)
