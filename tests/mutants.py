@@ -143,8 +143,8 @@ MUTANTS = [
         file="causal_lm/model/kv_cache.py",
         old="slot = jnp.where(keep, pos, C + t[None, :])",
         new="slot = jnp.where(keep, pos + 1, C + t[None, :])",
-        tests=[C + "test_cache_equals_recompute_every_variant[gqa-rope_full]"],
-        why="a global layer writes each token one slot late",
+        tests=[K + "test_a_cache_filled_to_its_last_slot_equals_recompute"],
+        why="a global layer writes each token one slot late (the last slot's token dropped)",
     ),
     dict(
         name="cache-length-counts-padding",
@@ -270,8 +270,16 @@ MUTANTS = [
         file="causal_lm/train/loop.py",
         old="state = dataclasses.replace(state, params=params, **train_state)",
         new='state = dataclasses.replace(state, params=params, **{k: v for k, v in train_state.items() if k != "rng"})',
-        tests=["tests/test_train.py::test_resume_after_sigkill_is_bitwise_exact"],
+        tests=[K + "test_a_resumed_run_ends_bitwise_where_the_straight_run_did"],
         why="a resumed run restarts its RNG from the seed",
+    ),
+    dict(
+        name="resume-skips-data-state",
+        file="causal_lm/train/loop.py",
+        old='if meta.get("data_state") is not None:',
+        new="if False:",
+        tests=[K + "test_a_resumed_run_ends_bitwise_where_the_straight_run_did"],
+        why="a resumed run reads its data from the first batch again",
     ),
     dict(
         name="resume-data-from-epoch-start",

@@ -16,14 +16,15 @@ import pytest
 from flax import nnx
 from variants import tiny_config, tiny_model
 
-from causal_lm.config import TrainConfig
+from causal_lm.config import TrainConfig, load_config
 from causal_lm.decode import generate
 from causal_lm.model.kernels import attention
 from causal_lm.model.kv_cache import init_cache
 from causal_lm.model.mask import AttentionMask, make_mask
 from causal_lm.model.rope import apply_rope, layer_rope_tables, rope_tables
 from causal_lm.model.transformer import Decoder
-from causal_lm.train.state import init_params, make_optimizer
+from causal_lm.train import Checkpointer, read_metrics, train_and_evaluate
+from causal_lm.train.state import init_params, init_train_state, make_optimizer
 
 THETA = 10000.0
 
@@ -244,3 +245,51 @@ def test_gradient_clipping_scales_the_whole_gradient_by_its_global_norm(scale):
     mu = state[1][0].mu  # chain(clip, adamw): AdamW's scale_by_adam state
     for g, m in zip(jax.tree.leaves(grads), jax.tree.leaves(mu), strict=True):
         np.testing.assert_allclose(np.asarray(m), 0.1 * np.asarray(g) * factor, rtol=1e-4, atol=1e-12)
+
+
+def test_a_cache_filled_to_its_last_slot_equals_recompute():
+    """A cache of exactly T slots filled in two chunks (5 + 3 tokens): the logits equal one pass without a cache,
+    and the slots hold every position 0..T-1. Kills a write one slot late (harmless until the last slot, whose
+    token JAX's scatter would then drop silently) and a length that does not reach max_len."""
+    config = tiny_config("gqa", "rope_full")
+    model = tiny_model(config)
+    T = 8
+    tokens = np.random.default_rng(6).integers(0, config.vocab_size, (2, T)).astype(np.int32)
+    full = np.asarray(model(tokens)[0])
+    cache = init_cache(config, 2, T)
+    first, cache = model(tokens[:, :5], cache=cache)
+    second, cache = model(tokens[:, 5:], cache=cache)
+    np.testing.assert_allclose(np.concatenate([first, second], axis=1), full, atol=1e-5)
+    assert np.asarray(cache.lengths).tolist() == [T, T]
+    for row in np.asarray(cache.groups[0].positions):
+        assert sorted(row.tolist()) == list(range(T))
+
+
+def _checkpoint_state(workdir, step, config):
+    _, params, _ = init_params(config.model, 0)
+    state = init_train_state(params, make_optimizer(config.train), 0)
+    ckpt = Checkpointer(workdir, read_only=True)
+    try:
+        keys = ("opt_state", "step", "rng", "bad_step")
+        p, s, _ = ckpt.restore(step, state.params, {k: getattr(state, k) for k in keys})
+    finally:
+        ckpt.close()
+    return jax.tree.leaves((p, s))
+
+
+def test_a_resumed_run_ends_bitwise_where_the_straight_run_did(tmp_path):
+    """3 steps straight against 2 steps, then train.steps=3 in the same workdir (resuming from step 2): the
+    logged losses and the final checkpoint (parameters, optimizer state, step, RNG) are identical. A fast
+    counterpart of test_train's SIGKILL resume; kills a resume that restarts the RNG or the data position."""
+    run = ["train.checkpoint_every=1", "train.eval_every=3", "train.log_every=1", "train.progress=false"]
+    run += ["train.sample_tokens=0", "train.warmup_steps=1", "train.min_lr_ratio=1.0"]  # lr independent of steps
+    straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+    config = load_config("tiny", [*run, "train.steps=3"])
+    train_and_evaluate(config, straight)
+    train_and_evaluate(load_config("tiny", [*run, "train.steps=2"]), resumed)
+    train_and_evaluate(config, resumed)
+    keys = ("step", "loss", "grad_norm", "lr", "tokens")
+    rows = lambda w: [{k: r.get(k) for k in keys} for r in read_metrics(w) if "loss" in r]  # noqa: E731
+    assert rows(resumed) == rows(straight) and len(rows(straight)) == 3
+    for a, b in zip(_checkpoint_state(straight, 3, config), _checkpoint_state(resumed, 3, config), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
