@@ -8,5 +8,5 @@ if [ -n "${MUTATION_PYTHON:-}" ]; then
   cd "$(dirname "$0")/.."
   exec "$MUTATION_PYTHON" launch/mutation.py "$@"
 fi
-source "$(dirname "$0")/_venv.sh" test
+source "$(dirname "$0")/_venv.sh" test,interop  # interop: safetensors, for the Hugging Face mutants
 exec .venv/bin/python launch/mutation.py "$@"

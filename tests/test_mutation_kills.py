@@ -293,3 +293,38 @@ def test_a_resumed_run_ends_bitwise_where_the_straight_run_did(tmp_path):
     assert rows(resumed) == rows(straight) and len(rows(straight)) == 3
     for a, b in zip(_checkpoint_state(straight, 3, config), _checkpoint_state(resumed, 3, config), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_hf_layout_written_by_hand_loads_to_the_same_model(tmp_path):
+    """A Qwen2-style model (GQA, q/k/v biases, untied head) written out in Hugging Face's layout by hand (each
+    Linear weight [out, in], each bias [heads * head_dim]), read back with load_hf_params: the logits are the
+    original's. Needs only safetensors, not torch: kills transposes and bias layouts gone wrong on load."""
+    save_file = pytest.importorskip("safetensors.numpy").save_file
+    from causal_lm.interop.hf import WEIGHTS_NAME, load_hf_params, model_from_params
+    from causal_lm.model import build_model
+
+    config = tiny_config("gqa", "rope_full", qkv_bias=True, tie_embeddings=False)
+    model = build_model(config, seed=1)
+    rng = np.random.default_rng(7)
+    for name in ("bq", "bk", "bv"):  # biases away from 0, each head and dim its own value
+        b = getattr(model.blocks.attn, name)
+        b[...] = jnp.asarray(rng.standard_normal(b[...].shape).astype(np.float32))
+    p = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    D, N, K, H = config.d_model, config.num_heads, config.num_kv_heads, config.head_dim
+    a, mlp = p["blocks"]["attn"], p["blocks"]["mlp"]
+    hf = {"model.embed_tokens.weight": p["embed"], "model.norm.weight": p["final_norm"]["scale"]}
+    hf["lm_head.weight"] = p["lm_head"].T
+    for i in range(config.num_layers):
+        pre = f"model.layers.{i}."
+        hf[pre + "input_layernorm.weight"] = p["blocks"]["attn_norm"]["scale"][i]
+        hf[pre + "post_attention_layernorm.weight"] = p["blocks"]["mlp_norm"]["scale"][i]
+        for proj, heads in (("q", N), ("k", K), ("v", K)):
+            hf[pre + f"self_attn.{proj}_proj.weight"] = a["w" + proj][i].reshape(D, heads * H).T
+            hf[pre + f"self_attn.{proj}_proj.bias"] = a["b" + proj][i].reshape(heads * H)
+        hf[pre + "self_attn.o_proj.weight"] = a["wo"][i].reshape(N * H, D).T
+        for proj in ("gate", "up", "down"):
+            hf[pre + f"mlp.{proj}_proj.weight"] = mlp["w_" + proj][i].T
+    save_file({k: np.ascontiguousarray(v, np.float32) for k, v in hf.items()}, str(tmp_path / WEIGHTS_NAME))
+    loaded = model_from_params(config, load_hf_params(str(tmp_path), config))
+    tokens = rng.integers(0, config.vocab_size, (2, 9)).astype(np.int32)
+    np.testing.assert_allclose(np.asarray(loaded(tokens)[0]), np.asarray(model(tokens)[0]), atol=1e-5)
