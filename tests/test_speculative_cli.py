@@ -105,3 +105,23 @@ def test_user_errors_are_one_line_with_status_2(workdirs, capsys, tmp_path, argv
     status, out, err = _generate(capsys, "--workdir", workdirs["target"], "--max-new-tokens", "4", *argv)
     assert status == 2 and out == "", out
     assert len(err) == 1 and err[0].startswith("causal-lm generate: error: ") and expected in err[0], err
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--speculative", "ngram", "--draft-tokens", "0"], "--draft-tokens must be in 1..16, got 0"),
+        (["--speculative", "vocab300"], "vocabulary (300 ids) differs from the model's (259)"),
+    ],
+    ids=["k0", "vocab-size"],
+)
+def test_bench_decode_refuses_a_bad_speculative_setting_before_it_runs(workdirs, capsys, argv, expected):
+    capsys.readouterr()
+    argv = [workdirs.get(a, a) for a in argv]
+    status = main(
+        ["bench", "decode", "--workdir", workdirs["target"], "--no-peer", "--contexts", "8", "--new-tokens", "4", *argv]
+    )
+    cap = capsys.readouterr()
+    err = [x for x in cap.err.splitlines() if ": note: " not in x and ": warning: " not in x]
+    assert status == 2 and cap.out == "", cap.out
+    assert len(err) == 1 and err[0].startswith("causal-lm bench: error: ") and expected in err[0], err

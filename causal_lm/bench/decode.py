@@ -242,8 +242,16 @@ def bench_decode(
     for d in cache_dtypes:
         if d not in CACHE_DTYPES:
             raise ValueError(f"--cache-dtypes: {d!r} is not one of {tuple(CACHE_DTYPES)}")
-    if isinstance(speculative, str) and speculative != "ngram":
-        speculative = load_for_inference(speculative)[0]  # a draft model's workdir
+    if speculative is not None:  # checked here, not after the other rows have run
+        if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or not 1 <= draft_tokens <= 16:
+            raise ValueError(f"--draft-tokens must be in 1..16, got {draft_tokens!r}")
+        if isinstance(speculative, str) and speculative != "ngram":
+            speculative = load_for_inference(speculative)[0]  # a draft model's workdir
+        if not isinstance(speculative, str) and speculative.config.vocab_size != m.vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({speculative.config.vocab_size} ids) differs from the model's "
+                f"({m.vocab_size}): its proposals would mean other tokens"
+            )
     status = peer_status() if peer else "skipped"
     if status == "ok":
         why = peer_mismatch(m)
