@@ -98,12 +98,16 @@ def test_rows_accept_different_counts():
 
 
 def test_a_stop_token_inside_an_accepted_run():
+    """The target drafting for itself keeps every run of k drafts; a stop token strictly inside one (drafts of the
+    same run after it) ends the row there, and what the run holds after it is not emitted."""
     model = tiny_model(tiny_config("gqa", "rope_full", True, False))
     free = generate(model, PROMPTS, max_new_tokens=NEW).tokens
-    stop = next(t for t in free[0][3:] if free[0].index(t) >= 3)  # first seen at index >= 3: mid-run for k=4
-    first = free[0].index(stop)
+    # token 0 comes from the prefill; pass j emits tokens (j-1)(K+1)+1 .. j(K+1), the last the target's own
+    inside = lambda i: (i - 1) % (K + 1) < K - 1  # noqa: E731  a draft with more drafts of its run after it
+    first, stop = next((i, t) for i, t in enumerate(free[0]) if i > 0 and free[0].index(t) == i and inside(i))
     plain, spec = _assert_same_as_plain(model, "self", stop_tokens=[stop])
     assert spec.tokens[0] == free[0][: first + 1]
+    assert len(spec.tokens[0]) < len(free[0])
 
 
 def test_drafts_that_would_run_past_the_cache_capacity():
@@ -220,11 +224,24 @@ def test_num_samples_equals_a_batch_of_copies(use_cache):
         assert shared.kv_computed == copies.kv_computed
 
 
-def test_num_samples_with_speculation():
+@pytest.mark.parametrize("kind", ["ngram", "random"])
+def test_num_samples_with_speculation(kind):
+    """Shared prompts under speculation: greedy rows are plain decoding's; sampled rows draw what a batch of copies
+    draws (the same seed policy as without speculation), and each prompt's K/V is computed once."""
     model = tiny_model(tiny_config("gqa", "rope_full"))
-    a = generate(model, PROMPTS, max_new_tokens=16, num_samples=2, speculative="ngram")
-    b = generate(model, [p for p in PROMPTS for _ in range(2)], max_new_tokens=16)
-    assert a.tokens == b.tokens
+    n = 3
+    copies = [p for p in PROMPTS for _ in range(n)]
+    spec = dict(speculative=_draft(kind, model), draft_tokens=K)
+    if kind == "ngram":
+        a = generate(model, PROMPTS, max_new_tokens=16, num_samples=n, **spec)
+        assert a.tokens == generate(model, copies, max_new_tokens=16).tokens
+    kw = dict(max_new_tokens=16, temperature=0.9, seed=5, **spec)
+    shared = generate(model, PROMPTS, num_samples=n, **kw)
+    batch = generate(model, copies, **kw)
+    assert shared.tokens == batch.tokens
+    assert shared.draft_accepted_per_row == batch.draft_accepted_per_row
+    assert len(set(map(tuple, shared.tokens[:n]))) > 1  # the samples of one prompt differ
+    assert shared.kv_computed == batch.kv_computed - (n - 1) * sum(map(len, PROMPTS))
 
 
 def test_bad_speculative_arguments():

@@ -52,14 +52,22 @@ def _decode_seconds(run: Callable[[int], None], n: int, reps: int) -> float:
     """Seconds for n decode steps: best t(1 + n new tokens) - best t(1 new token) (prefill and the first token
     cancel). Each length runs once first (compiles, warms up); then the two alternate, so a burst of load on a
     shared machine tends to hit one rep of each rather than all of one."""
-    run(1)
-    run(1 + n)
+    return _decode_seconds_alternating([run], n, reps)[0]
+
+
+def _decode_seconds_alternating(runs: Sequence[Callable[[int], None]], n: int, reps: int) -> list:
+    """`_decode_seconds` of several runners whose reps alternate (a, b, a, b, ...), so that a ratio between them
+    (speculative against plain) compares times taken under the same load."""
+    for run in runs:
+        run(1)
+        run(1 + n)
     settle()
-    t_one = t_all = float("inf")
+    best = [[float("inf"), float("inf")] for _ in runs]
     for _ in range(reps):
-        t_one = min(t_one, timed(lambda: run(1)))
-        t_all = min(t_all, timed(lambda: run(1 + n)))
-    return max(t_all - t_one, 1e-9)
+        for run, b in zip(runs, best, strict=True):
+            b[0] = min(b[0], timed(lambda r=run: r(1)))
+            b[1] = min(b[1], timed(lambda r=run: r(1 + n)))
+    return [max(t_all - t_one, 1e-9) for t_one, t_all in best]
 
 
 def _ours_runner(model, prompts: np.ndarray, use_cache: bool, **kw):
@@ -167,8 +175,7 @@ def speculative_rows(model, tokenizer, speculative, draft_tokens: int, n: int, r
         ids = np.asarray([ids[-(model.config.max_seq_len - n - 2) :]])  # the end of it, if the model is short
         plain = _ours_runner(model, ids, True, **_same_program(n))
         spec = _ours_runner(model, ids, True, speculative=speculative, draft_tokens=draft_tokens, **_same_program(n))
-        t_plain = _decode_seconds(plain, n, reps)
-        t_spec = _decode_seconds(spec, n, reps)
+        t_plain, t_spec = _decode_seconds_alternating([plain, spec], n, reps)  # the same load on both
         res = spec(1 + n)
         same = res.tokens == plain(1 + n).tokens
         rows.append(
@@ -242,8 +249,16 @@ def bench_decode(
     for d in cache_dtypes:
         if d not in CACHE_DTYPES:
             raise ValueError(f"--cache-dtypes: {d!r} is not one of {tuple(CACHE_DTYPES)}")
-    if isinstance(speculative, str) and speculative != "ngram":
-        speculative = load_for_inference(speculative)[0]  # a draft model's workdir
+    if speculative is not None:  # checked here, not after the other rows have run
+        if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or not 1 <= draft_tokens <= 16:
+            raise ValueError(f"--draft-tokens must be in 1..16, got {draft_tokens!r}")
+        if isinstance(speculative, str) and speculative != "ngram":
+            speculative = load_for_inference(speculative)[0]  # a draft model's workdir
+        if not isinstance(speculative, str) and speculative.config.vocab_size != m.vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({speculative.config.vocab_size} ids) differs from the model's "
+                f"({m.vocab_size}): its proposals would mean other tokens"
+            )
     status = peer_status() if peer else "skipped"
     if status == "ok":
         why = peer_mismatch(m)

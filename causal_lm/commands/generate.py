@@ -1,9 +1,18 @@
-"""`causal-lm generate`: stream text from a trained workdir (or a random-init model, for timing)."""
+"""`causal-lm generate`: stream text from a trained workdir (or a random-init model, for timing).
+
+`--speculative ngram|WORKDIR` checks up to `--draft-tokens K` proposals per forward pass of the model (prompt
+lookup, or a draft model loaded from another workdir with the same vocabulary): greedy text is the same as without
+it, and the stats line adds the target passes and the share of proposals accepted. `--num-samples N` draws N
+continuations of the one prompt, its K/V computed once and shared (it needs --temperature > 0: greedy samples
+would be N copies of one text).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import sys
 import time
 
@@ -42,6 +51,27 @@ def register(sub):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--chunk-size", type=int, default=None, help="prefill the prompt in chunks of this size")
     p.add_argument("--no-stream", action="store_true", help="print the text only at the end")
+    p.add_argument(
+        "--speculative",
+        metavar="ngram|WORKDIR",
+        default=None,
+        help="speculative decoding: 'ngram' (prompt lookup) or a draft model's workdir (same vocabulary); "
+        "greedy output is unchanged, fewer forward passes of the model",
+    )
+    p.add_argument(
+        "--draft-tokens",
+        metavar="K",
+        type=int,
+        default=None,
+        help="draft tokens checked per forward pass with --speculative (1..16, default 4)",
+    )
+    p.add_argument(
+        "--num-samples",
+        metavar="N",
+        type=int,
+        default=1,
+        help="N samples of the prompt, its K/V computed once (needs --temperature > 0); printed at the end",
+    )
     p.set_defaults(func=run)
 
 
@@ -67,15 +97,67 @@ def load_model_and_tokenizer(workdir=None, config_path=None, overrides=()):
     return build_model(config.model), ByteTokenizer()
 
 
-def run(args) -> int:
+def _check_args(args) -> None:
+    """The errors a user can make on the command line, before any model is loaded."""
     if args.workdir and args.overrides:
         raise ValueError("key=value overrides apply to --config models; a workdir's model is fixed by its checkpoint")
     if args.chat is not None and args.prompt is not None:
         raise ValueError("--chat MESSAGE and --prompt TEXT exclude each other (--chat builds the prompt)")
     if args.chat is not None and not args.workdir:
         raise ValueError("--chat needs --workdir: a converted instruct model whose tokenizer has a chat template")
+    if args.num_samples < 1:
+        raise ValueError(f"--num-samples must be >= 1, got {args.num_samples}")
+    if args.num_samples > 1 and args.temperature == 0:
+        # Allowed in Python (generate(num_samples=) is exact either way), refused here: N identical texts are
+        # never what was meant, and the cost is N rows of decoding.
+        raise ValueError(
+            f"--num-samples {args.num_samples} with --temperature 0 (greedy) would print {args.num_samples} "
+            "identical texts: set --temperature > 0"
+        )
+    if args.draft_tokens is not None:
+        if args.speculative is None:
+            raise ValueError("--draft-tokens applies to speculative decoding: add --speculative ngram|WORKDIR")
+        if not 1 <= args.draft_tokens <= 16:
+            raise ValueError(f"--draft-tokens must be in 1..16, got {args.draft_tokens}")
+    if args.speculative is not None:
+        if args.no_cache:
+            raise ValueError("--speculative checks drafts through the KV cache: it cannot run with --no-cache")
+        if args.speculative != "ngram" and not os.path.isdir(args.speculative):
+            raise ValueError(f"--speculative takes 'ngram' or a draft model's workdir; {args.speculative!r} is neither")
+
+
+def _vocabulary(tok) -> tuple:
+    """What the token ids mean: two tokenizers with the same value here give each id the same text."""
+    d = tok.to_dict()
+    if "json" in d:  # a Hugging Face tokenizer: its vocabulary and added tokens (not its chat template or settings)
+        spec = json.loads(d["json"])
+        added = sorted((t["id"], t["content"]) for t in spec.get("added_tokens", []))
+        return d["kind"], json.dumps(spec.get("model", {}).get("vocab"), sort_keys=True), tuple(added)
+    return d["kind"], d.get("chars")
+
+
+def load_draft(workdir: str, target, target_tok):
+    """The draft model of `--speculative WORKDIR`, after checking that its ids mean the target's tokens."""
+    try:
+        draft, draft_tok, _ = load_for_inference(workdir)
+    except ValueError as e:  # CheckpointError: not a workdir, or nothing intact in it
+        raise ValueError(f"--speculative {workdir}: {e}") from None
+    if draft.config.vocab_size != target.config.vocab_size or _vocabulary(draft_tok) != _vocabulary(target_tok):
+        raise ValueError(
+            f"--speculative {workdir}: the draft's vocabulary ({draft.config.vocab_size} ids, {draft_tok.kind} "
+            f"tokenizer) differs from the model's ({target.config.vocab_size} ids, {target_tok.kind} tokenizer): "
+            "its proposals would mean other tokens"
+        )
+    return draft
+
+
+def run(args) -> int:
+    _check_args(args)
     model, tok = load_model_and_tokenizer(args.workdir, args.config, args.overrides)
     print(backends.describe(model.config), file=sys.stderr)  # and a backend that cannot run here fails now
+    speculative = args.speculative
+    if speculative is not None and speculative != "ngram":
+        speculative = load_draft(speculative, model, tok)
     if args.chat is not None:
         text = apply_chat_template(tok, [{"role": "user", "content": args.chat}], add_generation_prompt=True)
         shown = ""  # the reply alone, not the template's markup
@@ -86,9 +168,13 @@ def run(args) -> int:
     if not prompt:
         raise ValueError("the prompt encodes to no tokens")
     out = sys.stdout
-    out.write(shown)
-    out.flush()
+    samples = args.num_samples
     decode = tok.stream_decoder() if hasattr(tok, "stream_decoder") else None
+    # N samples are printed one after another at the end; one streams as it comes
+    streaming = not args.no_stream and decode is not None and samples == 1
+    if samples == 1:
+        out.write(shown)
+        out.flush()
 
     first_token_at = []
 
@@ -110,24 +196,45 @@ def run(args) -> int:
         seed=args.seed,
         chunk_size=args.chunk_size,
         stop_tokens=stops,
+        num_samples=samples,
     )
+    if speculative is not None:
+        kw.update(speculative=speculative, draft_tokens=args.draft_tokens or 4)
     # The first call streams the text as it comes (compiling, or loading the compiled programs from the persistent
     # compilation cache, on the way); a second, quiet call is timed, so tokens/s measures decoding, not XLA.
-    streaming = not args.no_stream and decode is not None
     t0 = time.perf_counter()
     res = generate(model, [prompt], on_step=on_step if streaming else None, **kw)
     first_call_s = time.perf_counter() - t0
-    if not streaming:
+    if samples > 1:
+        for i, row in enumerate(res.tokens):
+            out.write(f"--- sample {i + 1} of {samples} ---\n{shown}{tok.decode(row)}\n")
+    elif not streaming:
         out.write(tok.decode(res.tokens[0]))
     first_s = f"first token after {first_token_at[0] - t0:.2f}s, " if first_token_at else ""
     t0 = time.perf_counter()
     res = generate(model, [prompt], **kw)
     dt = time.perf_counter() - t0
-    n = len(res.tokens[0])
-    print()
-    print(
-        f"[{'recompute' if args.no_cache else 'kv cache'}] {n} tokens in {dt:.3f}s = {n / dt:.1f} tokens/s "
-        f"(first call: {first_s}all in {first_call_s:.2f}s, compile included); K/V vectors computed: {res.kv_computed}",
-        file=sys.stderr,
-    )
+    if samples == 1:
+        print()
+    print(_stats(args, res, dt, first_s, first_call_s), file=sys.stderr)
     return 0
+
+
+def _stats(args, res, seconds: float, first_s: str, first_call_s: float) -> str:
+    """The stats line: tokens/s, target passes and acceptance (speculative), the first call's time, K/V computed."""
+    n = sum(len(t) for t in res.tokens)
+    mode = "recompute" if args.no_cache else "kv cache"
+    if args.speculative is not None:
+        draft = "ngram" if args.speculative == "ngram" else "draft model"
+        mode += f", speculative {draft}, {args.draft_tokens or 4} draft tokens"
+    rows = f" over {len(res.tokens)} samples" if len(res.tokens) > 1 else ""
+    line = f"[{mode}] {n} tokens{rows} in {seconds:.3f}s = {n / seconds:.1f} tokens/s"
+    # passes serve every sample at once: per token of the longest one
+    line += f"; target passes: {res.target_passes} ({res.target_passes / max(res.steps, 1):.2f} per token)"
+    if args.speculative is not None:
+        share = res.draft_accepted / res.draft_proposed if res.draft_proposed else 0.0
+        line += f"; drafts accepted: {res.draft_accepted}/{res.draft_proposed} ({100 * share:.0f}%)"
+    return (
+        f"{line} (first call: {first_s}all in {first_call_s:.2f}s, compile included); "
+        f"K/V vectors computed: {res.kv_computed}"
+    )
