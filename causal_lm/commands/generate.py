@@ -85,15 +85,17 @@ def run(args) -> int:
     if not prompt:
         raise ValueError("the prompt encodes to no tokens")
     out = sys.stdout
-    out.write(shown)
-    out.flush()
     decode = tok.stream_decoder() if hasattr(tok, "stream_decoder") else None
 
     first_token_at = []
 
+    # The prompt is echoed once the first token exists, not before: an error raised while generate checks its
+    # arguments (a cache on a model without the causal mask, a prompt too long) must be the first thing printed,
+    # not glued to the prompt ("The causal-lm generate: error: ...").
     def on_step(step, toks):
         if not first_token_at:
             first_token_at.append(time.perf_counter())
+            out.write(shown)
         if toks[0] >= 0 and decode is not None:
             out.write(decode([int(toks[0])]))
             out.flush()
@@ -116,6 +118,8 @@ def run(args) -> int:
     t0 = time.perf_counter()
     res = generate(model, [prompt], on_step=on_step if streaming else None, **kw)
     first_call_s = time.perf_counter() - t0
+    if not first_token_at:  # not streamed (or no token came back): the prompt, then the whole text
+        out.write(shown)
     if not streaming:
         out.write(tok.decode(res.tokens[0]))
     first_s = f"first token after {first_token_at[0] - t0:.2f}s, " if first_token_at else ""
