@@ -142,3 +142,17 @@ def test_cli_bench_json_without_peer(capsys, monkeypatch):
     r = json.loads(capsys.readouterr().out)
     assert r["peer"] is None and r["ratio_vs_peer"] is None and r["peer_status"] == "skipped"
     assert r["ours"]["tokens_per_s"] > 0
+
+
+@pytest.mark.slow
+def test_bench_train_on_the_small_preset_completes_and_marks_the_peer_row(capsys):
+    """The README's `causal-lm bench train --config small ...` (batch shrunk): the command succeeds with the peer
+    installed, our row is measured and the peer's row says why it cannot run the same model."""
+    if bench.peer_status() != "ok":
+        pytest.skip("needs torch and transformers (the interop extra)")
+    argv = ["bench", "train", "--config", "small", "--quick", "--compile-layers", "", "train.batch_size=2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "peer: not comparable" in out and "rope_fraction" in out, out
+    row = next(line for line in out.splitlines() if line.startswith("tokens/s"))
+    assert "n/a" in row and any(ch.isdigit() for ch in row), row
