@@ -12,6 +12,7 @@ change what runs; a block without markers runs as written, so a new block is tes
     <!-- readme-test: sub=OLD => NEW -->          replace the text OLD by NEW in the block (a Python snippet's
                                                   step count, say); OLD must occur, or the test fails
     <!-- readme-test: needs=MODULE,... -->         skip unless these modules import (an optional extra)
+    <!-- readme-test: N: status=S -->             the N-th command shows an error: it must exit with status S
 
 A command that already ran earlier in the README (the same text) is skipped as a duplicate. Commands whose effect
 only a shell session keeps (`source .venv/bin/activate`) run too: each test gets a fresh shell with `.venv/bin`
@@ -46,6 +47,7 @@ class Item:
     written: str  # what the README shows
     skip: str | None = None
     needs: tuple[str, ...] = ()
+    status: int = 0
 
     @property
     def id(self) -> str:
@@ -101,7 +103,7 @@ def _split_commands(block: str, first_line: int) -> list[tuple[int, str]]:
 
 def _apply_markers(items: list[Item], markers: list[str], line: int) -> None:
     for text in markers:
-        m = re.match(r"^(?:(\d+):\s*)?(skip|run|sub|needs)=(.*)$", text, re.S)
+        m = re.match(r"^(?:(\d+):\s*)?(skip|run|sub|needs|status)=(.*)$", text, re.S)
         if not m:
             raise ValueError(f"README line {line}: unreadable marker {text!r}")
         index, kind, value = m.group(1), m.group(2), m.group(3).strip()
@@ -118,6 +120,8 @@ def _apply_markers(items: list[Item], markers: list[str], line: int) -> None:
                 item.skip = value
             elif kind == "run":
                 item.code = value
+            elif kind == "status":
+                item.status = int(value)
             else:
                 item.needs += tuple(filter(None, (x.strip() for x in value.split(","))))
 
@@ -204,11 +208,12 @@ def test_readme(item, repo_copy):
         pytest.skip(f"needs {', '.join(missing)} (the interop extra)")
     cwd, env = repo_copy
     proc = _run(item, cwd, env)
-    assert proc.returncode == 0, (
+    assert proc.returncode == item.status, (
         f"README line {item.line} failed (exit {proc.returncode}):\n{item.code}\n--- stdout ---\n"
         f"{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-3000:]}"
     )
-    assert "Traceback (most recent call last)" not in proc.stderr, proc.stderr[-3000:]
+    if item.status == 0:  # a command shown working prints no traceback (an error shown may, under --debug)
+        assert "Traceback (most recent call last)" not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_readme_parser_reads_markers_groups_and_duplicates():
