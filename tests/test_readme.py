@@ -226,6 +226,8 @@ def test_readme_parser_reads_markers_groups_and_duplicates():
             "```",
             "<!-- readme-test: 2: skip=needs a cluster -->",
             "<!-- readme-test: 1: run=causal-lm a2 -->",
+            "<!-- readme-test: 3: status=2 -->",
+            "<!-- readme-test: needs=safetensors -->",
             "```sh",
             "causal-lm c",
             "causal-lm d",
@@ -248,12 +250,14 @@ def test_readme_parser_reads_markers_groups_and_duplicates():
     assert [(it.line, it.code, it.skip) for it in items] == [
         (2, "causal-lm a   # first", None),
         (3, "causal-lm b \\\n  --flag", None),
-        (9, "causal-lm a2", None),
-        (10, "causal-lm d", "needs a cluster"),
-        (11, "X=1 causal-lm e &\ncausal-lm f\nwait", None),
-        (16, "train(steps=3)", None),
-        (19, "causal-lm a   # first", "the same command as README line 2, which ran"),
+        (11, "causal-lm a2", None),
+        (12, "causal-lm d", "needs a cluster"),
+        (13, "X=1 causal-lm e &\ncausal-lm f\nwait", None),
+        (18, "train(steps=3)", None),
+        (21, "causal-lm a   # first", "the same command as README line 2, which ran"),
     ]
     assert items[2].written == "causal-lm c"
+    assert [it.status for it in items] == [0, 0, 0, 0, 2, 0, 0]
+    assert [it.needs for it in items] == [(), ()] + [("safetensors",)] * 3 + [(), ()]
     with pytest.raises(ValueError, match="is not in the block"):
         readme_items("<!-- readme-test: sub=nowhere => x -->\n```python\npass\n```")
