@@ -16,7 +16,7 @@ def test_document_positions_restart_per_segment():
 
 
 @pytest.mark.slow
-def test_attention_sink_experiment_on_tiny(tmp_path):
+def test_attention_sink_experiment_on_tiny(tmp_path, capsys):
     out = str(tmp_path / "sink")
     rc = cli.main(
         [
@@ -35,6 +35,9 @@ def test_attention_sink_experiment_on_tiny(tmp_path):
         ]
     )
     assert rc == 0
+    # the one-line numeric summary every experiment prints
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("attention-sink: share"))
+    assert all(f"{name} mean " in line for name in ("softmax", "sink", "gate")) and "sink logit " in line, line
     for name in ("report.md", "attention_sink.png", "results.json"):
         assert os.path.getsize(os.path.join(out, name)) > 0, name
     r = json.load(open(os.path.join(out, "results.json")))

@@ -162,3 +162,17 @@ def test_cli_bench_refuses_an_unknown_remat_policy(capsys):
     assert main(["bench", "train", "--no-peer", "--remat", "some", "--config", "tiny"]) == 2
     err = capsys.readouterr().err
     assert err.count("error:") == 1 and "--remat takes none, minimal, full or 'all'" in err
+
+
+@pytest.mark.slow
+def test_bench_train_on_the_small_preset_completes_and_marks_the_peer_row(capsys):
+    """The README's `causal-lm bench train --config small ...` (batch shrunk): the command succeeds with the peer
+    installed, our row is measured and the peer's row says why it cannot run the same model."""
+    if bench.peer_status() != "ok":
+        pytest.skip("needs torch and transformers (the interop extra)")
+    argv = ["bench", "train", "--config", "small", "--quick", "--compile-layers", "", "train.batch_size=2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "peer: not comparable" in out and "rope_fraction" in out, out
+    row = next(line for line in out.splitlines() if line.startswith("tokens/s"))
+    assert "n/a" in row and any(ch.isdigit() for ch in row), row

@@ -264,3 +264,26 @@ def test_kv_memory_measures_what_it_calculates_and_orders_the_layouts(tmp_path):
     assert f32["MHA"] > f32["MQA"] and f32["MHA"] > f32["MLA"]
     assert f32["local-16"] < f32["5:1 mixed"] < f32["MQA"] * 2  # rings of 16 slots against 128 full-length ones
     assert "measured == calculated: True" in kv_memory.summary(r)
+
+
+def test_mask_ablation_report_sentences_follow_the_numbers():
+    # What the lessons predict (the no-mask model copies; put back under the mask it scores near ln V) and a run too
+    # short to learn the shortcut: the report must not claim the copy, or "as bad as guessing", when its numbers
+    # say otherwise.
+    def results(n_train, n_val, n_back, c_train, c_val, c_unmasked):
+        return {
+            "config": {"train": {"steps": 5}},
+            "ln_vocab": math.log(259),
+            "vocab_size": 259,
+            "causal": {"final_train_loss": c_train, "val_loss": c_val, "val_loss_without_mask": c_unmasked},
+            "no_mask": {"final_train_loss": n_train, "val_loss": n_val, "val_loss_with_causal_mask": n_back},
+        }
+
+    learned = " ".join(mask_ablation.what_it_shows(results(0.07, 0.06, 5.03, 1.97, 2.02, 4.2)))
+    assert "learns to copy" in learned and "about as bad as guessing" in learned
+    assert "copying the answer" in learned and "also wrong" in learned
+    short = " ".join(mask_ablation.what_it_shows(results(4.9, 4.8, 4.7, 5.0, 4.9, 4.85)))
+    assert "has not yet learned to copy" in short and "after 5 steps" in short
+    assert "learns to copy" not in short and "copying the answer" not in short and "as bad as" not in short
+    assert "better than guessing" in short and "no worse than the causal model" in short
+    assert "also wrong" not in short and "did not make it worse" in short

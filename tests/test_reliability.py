@@ -23,7 +23,7 @@ from flax import nnx
 
 from causal_lm.cli import main
 from causal_lm.config import ConfigError, load_config
-from causal_lm.data import CharTokenizer, builtin_documents
+from causal_lm.data import ByteTokenizer, CharTokenizer, builtin_documents
 from causal_lm.data.tokenizer import UnknownCharactersWarning
 from causal_lm.model import build_model
 from causal_lm.train import (
@@ -712,3 +712,20 @@ def test_unknown_characters_are_named_and_say_what_replaced_them(tmp_path, capsy
     assert warned[0].startswith("causal-lm generate: warning: the text contains 1 character(s)") and all(
         s in warned[0] for s in ("'€' (U+20AC)", f"UNK (id {tok.unk_id})", "U+FFFD")
     ), warned
+
+
+def test_generate_error_on_a_no_mask_workdir_is_not_glued_to_the_echoed_prompt(tmp_path, capsys):
+    # A model trained without the causal mask refuses a cache: the error line comes first, and the prompt is not
+    # echoed on stdout before it (in a terminal that read "The causal-lm generate: error: ...").
+    config = load_config("tiny", ["model.attention_mask=none"])
+    workdir = str(tmp_path / "nomask")
+    save_for_inference(workdir, build_model(config.model), config, ByteTokenizer())
+    capsys.readouterr()
+    status = main(["generate", "--workdir", workdir, "--prompt", "The ", "--max-new-tokens", "2"])
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if ": note: " not in line and ": warning: " not in line]
+    assert status == 2 and out == "", (out, err)
+    _assert_one_error_line(lines, "generate", "cache")
+    # --no-cache works on the same workdir, the prompt echoed in front of the text
+    assert main(["generate", "--workdir", workdir, "--prompt", "The ", "--max-new-tokens", "2", "--no-cache"]) == 0
+    assert capsys.readouterr().out.startswith("The ")

@@ -77,7 +77,12 @@ def test_one_step_smoke(tmp_path):
     assert [r["step"] for r in read_metrics(str(tmp_path))] == [1]
     assert Checkpointer(str(tmp_path), read_only=True).all_steps() == [1]
     assert os.path.exists(tmp_path / "config.json") and os.listdir(tmp_path / "tokenizer")
-    assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tb"))
+    events = sorted(os.listdir(tmp_path / "tb"))
+    assert len(events) == 1 and events[0].startswith("events.out.tfevents")
+    # A rerun that trains nothing (already at train.steps) writes no new TensorBoard event file.
+    config = load_config("tiny", ["train.steps=1", "train.progress=false", "train.sample_tokens=16"])
+    assert train_and_evaluate(config, str(tmp_path))["step"] == 1
+    assert sorted(os.listdir(tmp_path / "tb")) == events
 
 
 def test_validation_loss_falls_well_below_uniform(trained):

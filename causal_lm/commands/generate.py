@@ -172,15 +172,16 @@ def run(args) -> int:
     decode = tok.stream_decoder() if hasattr(tok, "stream_decoder") else None
     # N samples are printed one after another at the end; one streams as it comes
     streaming = not args.no_stream and decode is not None and samples == 1
-    if samples == 1:
-        out.write(shown)
-        out.flush()
 
     first_token_at = []
 
+    # The prompt is echoed once the first token exists, not before: an error raised while generate checks its
+    # arguments (a cache on a model without the causal mask, a prompt too long) must be the first thing printed,
+    # not glued to the prompt ("The causal-lm generate: error: ...").
     def on_step(step, toks):
         if not first_token_at:
             first_token_at.append(time.perf_counter())
+            out.write(shown)
         if toks[0] >= 0 and decode is not None:
             out.write(decode([int(toks[0])]))
             out.flush()
@@ -208,7 +209,8 @@ def run(args) -> int:
     if samples > 1:
         for i, row in enumerate(res.tokens):
             out.write(f"--- sample {i + 1} of {samples} ---\n{shown}{tok.decode(row)}\n")
-    elif not streaming:
+    elif not streaming or not first_token_at:  # not streamed (or no token came back): the prompt, then the text
+        out.write(shown)
         out.write(tok.decode(res.tokens[0]))
     first_s = f"first token after {first_token_at[0] - t0:.2f}s, " if first_token_at else ""
     t0 = time.perf_counter()

@@ -152,6 +152,22 @@ def run(
     return results
 
 
+def summary(results: dict) -> str:
+    """One line per run: each variant's mean and largest first-token share (and the sink's own share), against a
+    uniform spread."""
+    parts = []
+    for name, r in results["variants"].items():
+        part = f"{name} mean {r['mean_first_token_share']:.1%} (max {r['max_first_token_share']:.1%})"
+        if r.get("mean_sink_share") is not None:
+            part += f", sink logit {r['mean_sink_share']:.1%}"
+        parts.append(part)
+    return (
+        "share of attention on the first token: "
+        + "; ".join(parts)
+        + f" (uniform spread {results['uniform_baseline']:.1%})"
+    )
+
+
 def plot(results: dict, path: str) -> str:
     import matplotlib
 

@@ -162,14 +162,18 @@ class MetricsWriter:
             )
         self._f = open(self.path, "a")
         self._tb = None
-        if tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(os.path.join(workdir, "tb"), purge_step=start_step + 1 if start_step else None)
+        # The event file is opened at the first record, not here: a rerun that trains nothing (already at
+        # train.steps) must not leave an empty event file behind for every rerun.
+        self._tb_args = (os.path.join(workdir, "tb"), start_step + 1 if start_step else None) if tensorboard else None
 
     def write(self, record: dict) -> None:
         self._f.write(json.dumps(record) + "\n")
         self._f.flush()
+        if self._tb is None and self._tb_args is not None:
+            from tensorboardX import SummaryWriter
+
+            logdir, purge_step = self._tb_args
+            self._tb = SummaryWriter(logdir, purge_step=purge_step)
         if self._tb is not None:
             step = record["step"]
             for k, v in record.items():
