@@ -154,10 +154,10 @@ def load_draft(workdir: str, target, target_tok):
 def run(args) -> int:
     _check_args(args)
     model, tok = load_model_and_tokenizer(args.workdir, args.config, args.overrides)
-    print(backends.describe(model.config), file=sys.stderr)  # and a backend that cannot run here fails now
     speculative = args.speculative
     if speculative is not None and speculative != "ngram":
-        speculative = load_draft(speculative, model, tok)
+        speculative = load_draft(speculative, model, tok)  # refused before anything is printed
+    print(backends.describe(model.config), file=sys.stderr)  # and a backend that cannot run here fails now
     if args.chat is not None:
         text = apply_chat_template(tok, [{"role": "user", "content": args.chat}], add_generation_prompt=True)
         shown = ""  # the reply alone, not the template's markup
