@@ -157,7 +157,9 @@ def run(args) -> int:
     speculative = args.speculative
     if speculative is not None and speculative != "ngram":
         speculative = load_draft(speculative, model, tok)  # refused before anything is printed
-    print(backends.describe(model.config), file=sys.stderr)  # and a backend that cannot run here fails now
+    # A backend that cannot run here fails now; the line itself is printed with the stats, so that an error
+    # raised while generate checks its arguments is the only thing a failed run prints.
+    backend_line = backends.describe(model.config)
     if args.chat is not None:
         text = apply_chat_template(tok, [{"role": "user", "content": args.chat}], add_generation_prompt=True)
         shown = ""  # the reply alone, not the template's markup
@@ -218,6 +220,7 @@ def run(args) -> int:
     dt = time.perf_counter() - t0
     if samples == 1:
         print()
+    print(backend_line, file=sys.stderr)
     print(_stats(args, res, dt, first_s, first_call_s), file=sys.stderr)
     return 0
 
