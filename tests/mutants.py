@@ -315,4 +315,20 @@ MUTANTS = [
         tests=[K + "test_hf_layout_written_by_hand_loads_to_the_same_model"],
         why="Qwen2's q/k/v biases loaded head-minor",
     ),
+    dict(
+        name="splash-window-off-by-one",
+        file="causal_lm/model/backends.py",
+        old="sm.LocalMask((T, T), window_size=(window - 1, 0)",
+        new="sm.LocalMask((T, T), window_size=(window, 0)",
+        tests=["tests/test_kernels.py::test_splash_equals_the_reference"],
+        why="the splash kernel's local mask sees one key more than the position mask's window",
+    ),
+    dict(
+        name="remat-minimal-saves-nothing",
+        file="causal_lm/model/transformer.py",
+        old="return jax.checkpoint_policies.save_only_these_names(*SAVED_PROJECTIONS)",
+        new="return jax.checkpoint_policies.nothing_saveable",
+        tests=["tests/test_model.py::test_remat_policies_give_the_gradients_of_no_remat"],
+        why="remat=minimal silently behaves as full (the projections are recomputed, not saved)",
+    ),
 ]
