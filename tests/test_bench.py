@@ -42,7 +42,7 @@ def test_bench_train_keys_and_sanity():
     assert "tokens/s" in bench.format_train(r)
 
 
-def test_bench_decode_keys_and_sanity():
+def test_bench_decode_keys_and_sanity(latency):
     r = bench.bench_decode(
         TINY,
         contexts=(8,),
@@ -54,6 +54,7 @@ def test_bench_decode_keys_and_sanity():
         cache_dtypes=("int8",),
         speculative="ngram",
         compare_loops=False,
+        first_call=False,  # the `latency` fixture times it once for the module
     )
     json.dumps(r)
     assert set(r) >= {"machine", "jax_version", "rows"}
@@ -90,7 +91,9 @@ def test_bench_decode_keys_and_sanity():
     w = r["rows"][0]
     assert w["bytes_per_token"] == pytest.approx(r["weight_bytes"] / 2 + r["kv_bytes_per_token"] * (8 + 1 + 2 / 2))
     text = bench.format_decode(r)
-    assert "cached" in text and "speculative decoding (ngram drafts" in text
+    assert "cached" in text and "speculative decoding (ngram drafts" in text and "fresh process" not in text
+    text = bench.format_decode({**r, "first_call": latency})
+    assert "first token of a fresh process (context 8, batch 1)" in text and "compilation cache (0 added)" in text
 
 
 def test_a_model_the_peer_cannot_mirror_is_benchmarked_on_our_side_and_marked():
@@ -176,3 +179,19 @@ def test_bench_train_on_the_small_preset_completes_and_marks_the_peer_row(capsys
     assert "peer: not comparable" in out and "rope_fraction" in out, out
     row = next(line for line in out.splitlines() if line.startswith("tokens/s"))
     assert "n/a" in row and any(ch.isdigit() for ch in row), row
+
+
+@pytest.fixture(scope="module")
+def latency():
+    return bench.first_call_latency(TINY, context=8, batch=1, new_tokens=2)
+
+
+def test_first_call_latency_compiles_in_the_first_process_and_reads_the_cache_in_the_second(latency):
+    r = latency
+    json.dumps(r)
+    keys = ("first_call_first_token_s", "first_call_s", "cached_compile_first_token_s", "cached_compile_s")
+    assert all(_positive(r[k]) for k in keys), r
+    assert r["first_call_first_token_s"] <= r["first_call_s"]
+    assert r["cached_compile_first_token_s"] <= r["cached_compile_s"]
+    # The first process wrote its compiled programs to the empty folder; the second found every one of them there.
+    assert r["first_call_cache_entries_added"] > 0 and r["cached_compile_cache_entries_added"] == 0, r

@@ -8,7 +8,8 @@ machine's own measured ceilings, all in one process run.
                           torch AdamW, the same weights and batch)
     bench_decode(config)  `generate` tokens/s with the KV cache and with recompute at context lengths x batch
                           sizes, bytes read per generated token and the share of the bandwidth floor reached; the
-                          peer: transformers' `generate` with and without its cache
+                          peer: transformers' `generate` with and without its cache; the first token of a
+                          fresh process, compiling and with the persistent compilation cache (first_call_latency)
 
 How things are timed (both sides alike):
   - train: `warmup` steps, then `steps` steps each timed to completion; the median is the step time. Compile
@@ -25,12 +26,14 @@ context, so (weight bytes + batch x context x K/V bytes per token) / batch bytes
 measured read bandwidth is the fastest it can be; small models whose weights fit in the last-level cache can beat
 it (fraction > 1).
 
-Modules: common.py (ceilings, environment, timing, tables), peer.py (the PyTorch side), train.py, decode.py. They
+Modules: common.py (ceilings, environment, timing, tables), peer.py (the PyTorch side), train.py, decode.py,
+first_call.py (fresh-process latency). They
 use only the package's public functions.
 """
 
 from causal_lm.bench.common import NOT_INSTALLED, environment, machine_ceilings, peer_status
 from causal_lm.bench.decode import bench_decode, decode_bytes_per_token, decode_loop_comparison, format_decode
+from causal_lm.bench.first_call import first_call_latency
 from causal_lm.bench.train import bench_train, compile_seconds, format_train
 
 __all__ = [
@@ -42,6 +45,7 @@ __all__ = [
     "decode_bytes_per_token",
     "decode_loop_comparison",
     "format_decode",
+    "first_call_latency",
     "bench_train",
     "compile_seconds",
     "format_train",

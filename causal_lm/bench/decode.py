@@ -24,9 +24,10 @@ from causal_lm.bench.common import (
     settle,
     timed,
 )
+from causal_lm.bench.first_call import first_call_latency
 from causal_lm.bench.peer import build_peer, peer_forward, peer_mismatch, peer_runner
 from causal_lm.config import Config, ModelConfig
-from causal_lm.decode import bucket_length, generate
+from causal_lm.decode import generate
 from causal_lm.interop.hf import model_from_params
 from causal_lm.model.kv_cache import CACHE_DTYPES, cache_bytes, init_cache
 from causal_lm.train import load_for_inference
@@ -44,8 +45,10 @@ DEFAULT_BATCHES = (1, 8)
 
 def _same_program(n: int) -> dict:
     """generate arguments that compile t(1) and t(1 + n) into one program (the same room for new tokens), so their
-    difference is the n decode steps and nothing else."""
-    return {"max_new_bucket": bucket_length(1 + n, 16)}
+    difference is the n decode steps and nothing else. The room is exactly 1 + n, not rounded up to the next power
+    of two as `generate` would round 1 + n = 129 to 256: a decode step attends over every slot of the cache, so the
+    rounded room would time a cache longer than the one a call for n = 128 new tokens runs over (room 128)."""
+    return {"max_new_bucket": 1 + n}
 
 
 def _decode_seconds(run: Callable[[int], None], n: int, reps: int) -> float:
@@ -212,6 +215,7 @@ def bench_decode(
     speculative=None,
     draft_tokens: int = 4,
     profile: str | None = None,
+    first_call: bool = True,
 ) -> dict:
     """Decode throughput of `generate` with and without the KV cache, per (context, batch), and of the peer.
 
@@ -220,12 +224,15 @@ def bench_decode(
     in these types (ours only). workdir: time a trained model (and its tokenizer) instead of a random-init one of
     `config`'s shape. speculative: "ngram" or a draft model (or a workdir to load one from): rows comparing plain
     and speculative decoding on a prompt where drafts can hit and one where they mostly cannot. profile: write a
-    jax.profiler trace of the timed generation calls into this directory.
+    jax.profiler trace of the timed generation calls into this directory. first_call: time the first token of a
+    fresh process at the first (context, batch), compiling and then with a persistent compilation cache filled by
+    the first (`causal_lm.bench.first_call`; random-init weights of the shape, also with a workdir).
 
     Returns the JSON object of `causal-lm bench decode --json`: machine, jax_version, rows [{context, batch,
     cache_dtype, cached_tokens_per_s, recompute_tokens_per_s, prefill_tokens_per_s, bandwidth_floor_fraction,
     peer_cached_tokens_per_s, peer_recompute_tokens_per_s, peer_prefill_tokens_per_s, ...}], speculative rows,
-    and decode_loop: `decode_loop_comparison` at context 512 (or the first), batch 1.
+    decode_loop: `decode_loop_comparison` at context 512 (or the first), batch 1, and first_call:
+    `first_call_latency` (first_call_first_token_s, cached_compile_first_token_s, ...) or None.
     """
     env = environment()  # before any work: the load average then is other processes', not this run's
     tokenizer = None
@@ -269,6 +276,10 @@ def bench_decode(
 
             hf_logging.set_verbosity_error()
     machine = ceilings or machine_ceilings(quick=quick)
+    latency = None
+    if first_call:  # before this process compiles anything, while the machine is as quiet as it will be
+        shape = config if workdir is None else trained
+        latency = first_call_latency(shape, context=contexts[0], batch=batches[0], new_tokens=n)
     if workdir is None:
         _, params, _ = init_params(m, config.train.seed)
         model = model_from_params(m, params)
@@ -321,6 +332,7 @@ def bench_decode(
         if speculative is not None
         else None,
         "decode_loop": loop,
+        "first_call": latency,
         "profile": profile,
     }
 
@@ -411,5 +423,14 @@ def format_decode(r: dict) -> str:
             f"{lp['while_loop_ms_per_step']:.2f}; Python loop over a jitted step "
             f"{lp['python_loop_ms_per_step']:.2f} (reading each token on the host: "
             f"{lp['python_loop_host_sync_ms_per_step']:.2f})",
+        ]
+    fc = r.get("first_call")
+    if fc:
+        lines += [
+            "",
+            f"first token of a fresh process (context {fc['context']}, batch {fc['batch']}): "
+            f"{fc['first_call_first_token_s']:.2f} s compiling ({fc['first_call_cache_entries_added']} programs "
+            f"cached), {fc['cached_compile_first_token_s']:.2f} s with them loaded from the persistent compilation "
+            f"cache ({fc['cached_compile_cache_entries_added']} added)",
         ]
     return "\n".join(lines)

@@ -57,6 +57,11 @@ def register(sub):
         help="add rows comparing plain and speculative decoding (prompt lookup, or a draft model's workdir)",
     )
     d.add_argument("--draft-tokens", type=int, default=4, help="draft tokens checked per target pass (default 4)")
+    d.add_argument(
+        "--no-first-call",
+        action="store_true",
+        help="skip timing the first token of two fresh processes (compiling, then from the compilation cache)",
+    )
     d.set_defaults(func=run_decode)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
@@ -116,6 +121,7 @@ def run_decode(args) -> int:
         speculative=args.speculative,
         draft_tokens=args.draft_tokens,
         profile=args.profile,
+        first_call=not args.no_first_call,
     )
     print(json.dumps(r) if args.json else format_decode(r))
     return 0
