@@ -197,6 +197,14 @@ MUTANTS = [
         why="top-k keeps k - 1 tokens",
     ),
     dict(
+        name="filters-skipped-for-top-p-alone",
+        file="causal_lm/decode/sampling.py",
+        old="jax.lax.cond((top_k > 0) | (top_p < 1.0), _top_k_top_p",
+        new="jax.lax.cond(top_k > 0, _top_k_top_p",
+        tests=[C + "test_top_p_keeps_the_token_that_crosses_the_threshold"],
+        why="the run-time skip of the sort also skips top-p when top-k is off",
+    ),
+    dict(
         name="top-p-drops-crossing-token",
         file="causal_lm/decode/sampling.py",
         old="keep = (before < top_p) | (jnp.arange(V) == 0)",
