@@ -4,6 +4,7 @@
 # Rerunning resumes training where it stopped (or skips it when done). Arguments are training config overrides,
 # e.g. `./launch/demo.sh train.steps=100`; WORKDIR=DIR picks another run directory (default runs/demo).
 source "$(dirname "$0")/_venv.sh" base
+source "$(dirname "$0")/_malloc.sh"
 WORKDIR="${WORKDIR:-runs/demo}"
 .venv/bin/causal-lm train --config configs/small.py --workdir "$WORKDIR" "$@"
 # The same seed samples the same tokens on both paths: the text should match, only the speed differs.

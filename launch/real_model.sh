@@ -11,6 +11,7 @@
 # the converted model in WORKDIR (default runs/real_model). Reruns reuse both. MAX_NEW_TOKENS (default 64) caps
 # the reply.
 source "$(dirname "$0")/_venv.sh" interop
+source "$(dirname "$0")/_malloc.sh"
 MESSAGE="${1:-What is the capital of France?}"
 CACHE="${CAUSAL_LM_CACHE:-$HOME/.cache/causal_lm}"
 WORKDIR="${WORKDIR:-runs/real_model}"
