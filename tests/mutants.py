@@ -339,4 +339,12 @@ MUTANTS = [
         tests=["tests/test_model.py::test_remat_policies_give_the_gradients_of_no_remat"],
         why="remat=minimal silently behaves as full (the projections are recomputed, not saved)",
     ),
+    dict(
+        name="compile-cache-keeps-nothing",
+        file="causal_lm/compile_cache.py",
+        old='jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)',
+        new='jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)',
+        tests=["tests/test_compile_cache.py::test_second_generate_loads_every_compiled_program_from_the_cache"],
+        why="the persistent compilation cache is on but keeps no program, so every run compiles again",
+    ),
 ]
