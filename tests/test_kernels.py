@@ -85,6 +85,7 @@ FAST = {
     "in_place": kernels.in_place_attention,
     "blocked": lambda *a, **kw: kernels.blocked_causal_attention(*a, **kw, block=64),
     "blocked-small": lambda *a, **kw: kernels.blocked_causal_attention(*a, **kw, block=4),
+    "query-blocked": lambda *a, **kw: kernels.query_blocked_attention(*a, **kw, block=5),  # a ragged last block
     "dot_product_attention": kernels.xla_dot_product_attention,
 }
 
@@ -162,7 +163,7 @@ def test_value_dim_may_differ_from_the_key_dim():
     q, k, v = _qkv(66, 66, 2, Hv=5)
     mask = _self_mask(66)
     ref, _ = kernels.reference_attention(q, k, v, mask, scale=0.3)
-    for name in ("heads_major", "in_place", "blocked"):
+    for name in ("heads_major", "in_place", "blocked", "query-blocked"):
         out = FAST[name](q, k, v, mask, scale=0.3)
         assert out.shape == (2, 66, N, 5)
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=ATOL, rtol=0, err_msg=name)
@@ -175,8 +176,8 @@ def test_the_blocked_kernel_refuses_a_mask_that_does_not_promise_causality():
     loose = AttentionMask(mask.visible)  # same values, no promise
     with pytest.raises(ValueError, match="index-causal"):
         kernels.blocked_causal_attention(q, k, v, loose, scale=0.3, block=16)
-    assert kernels.select_kernel(q, k, loose) is kernels.heads_major_attention
-    assert kernels.select_kernel(q, k, mask) is not kernels.heads_major_attention  # the blocked one
+    assert kernels.select_kernel(q, k, loose).func is kernels.query_blocked_attention  # blocks, skips no key
+    assert kernels.select_kernel(q, k, mask).func is kernels.blocked_causal_attention
 
 
 @pytest.mark.parametrize("sink", [False, True], ids=["plain", "sink"])
