@@ -6,7 +6,8 @@ in `--help` by their one-line summary), so `causal-lm kv-bytes` or `causal-lm --
 the training stack.
 
 `main()` turns on JAX's persistent compilation cache (`causal_lm.compile_cache`: a second run with the same shapes
-loads its compiled programs from disk) and is the one place that turns exceptions into exit statuses: a failure
+loads its compiled programs from disk), tells glibc's malloc to keep freed memory for the next step's temporaries
+(`causal_lm.malloc`), and is the one place that turns exceptions into exit statuses: a failure
 the user can cause and fix (a bad config, a missing or damaged file, a read-only or full disk, a workdir in use, a
 diverged run) is one `causal-lm CMD: error: ...` line, maybe a `hint:` line, and a non-zero status; anything else
 is a bug and keeps its traceback. `--debug` shows the traceback of every error. Notes (`causal_lm.notes.Note`)
@@ -22,7 +23,7 @@ import logging
 import sys
 import warnings
 
-from causal_lm import compile_cache
+from causal_lm import compile_cache, malloc
 from causal_lm.notes import Note
 
 # name -> (module, one-line summary for `causal-lm --help`)
@@ -84,6 +85,7 @@ def main(argv=None) -> int:
         parser.print_help()
         return 2
     prefix = f"causal-lm {args.command}"
+    malloc.keep_freed_memory()  # before JAX allocates anything large
     compile_cache.enable()
     if not args.debug:
         _QuietOrbaxErrors.install()

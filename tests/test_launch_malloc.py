@@ -1,7 +1,9 @@
 """launch/_malloc.sh: which allocator the launch scripts preload (CAUSAL_LM_MALLOC=auto|system|PATH)."""
 
 import os
+import platform
 import subprocess
+import sys
 
 import pytest
 
@@ -55,3 +57,47 @@ def test_a_missing_library_is_one_error_line_and_status_2(value):
     assert err.strip().splitlines() == [
         f"error: CAUSAL_LM_MALLOC={value}: no such library (use auto, system or the path of a .so)"
     ]
+
+
+# ---- glibc told to keep freed memory (causal_lm/malloc.py, called by `causal-lm` at start-up) -----------------
+
+_KEPT = """
+import os
+import numpy as np
+from causal_lm.malloc import keep_freed_memory
+state = keep_freed_memory()
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+a = np.ones(2**25)  # 256 MiB, touched
+held = rss()
+del a
+print(state, (held - rss()) // 2**20)
+"""
+
+
+def _returned_mib(**env):
+    """(state, MiB the process handed back to the kernel when it freed a 256 MiB array) in a fresh process."""
+    full = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "CAUSAL_LM_MALLOC")}
+    full.update(env, PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-c", _KEPT], env=full, capture_output=True, text=True, check=True)
+    state, returned = proc.stdout.split()
+    return state, int(returned)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc" or not os.path.exists("/proc/self/statm"), reason="glibc, Linux")
+def test_glibc_keeps_freed_memory_for_the_next_allocation():
+    """Freed memory stays in the process (the next step's temporaries reuse it, no page is zero-filled again);
+    with glibc's defaults the same free hands it back to the kernel."""
+    state, returned = _returned_mib()
+    assert state == "glibc"
+    assert returned < 16, f"{returned} MiB went back to the kernel"
+    state, returned = _returned_mib(CAUSAL_LM_MALLOC="system")
+    assert state == "system"
+    assert returned > 200
+
+
+def test_a_preloaded_allocator_is_left_to_do_the_job():
+    lib = next((c for c in CANDIDATES if os.access(c, os.R_OK)), None)
+    if lib is None:
+        pytest.skip("neither tcmalloc nor jemalloc is installed")
+    assert _returned_mib(LD_PRELOAD=lib)[0] == "preloaded"
