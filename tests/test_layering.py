@@ -16,6 +16,7 @@ ALLOWED = {
     "config": set(),
     "notes": set(),
     "compile_cache": set(),
+    "malloc": set(),
     "parallel": {"config"},
     "model": {"config"},
     "data": {"config"},
@@ -37,7 +38,7 @@ ALLOWED = {
         "compile_cache",
     },
     "device_check": {"config", "model", "data", "decode", "parallel", "interop", "train", "bench", "compile_cache"},
-    "cli": {"config", "commands", "compile_cache"},
+    "cli": {"config", "commands", "compile_cache", "malloc"},
     "__init__": {"config", "model", "data", "decode", "parallel", "interop", "train"},
 }
 
