@@ -347,4 +347,23 @@ MUTANTS = [
         tests=["tests/test_compile_cache.py::test_second_generate_loads_every_compiled_program_from_the_cache"],
         why="the persistent compilation cache is on but keeps no program, so every run compiles again",
     ),
+    dict(
+        name="query-blocks-read-the-first-rows-of-the-mask",
+        file="causal_lm/model/kernels.py",
+        old="mask.visible[:, i:e], sink=sink, zero_after=za",
+        new="mask.visible[:, : e - i], sink=sink, zero_after=za",
+        tests=[
+            "tests/test_kernels.py::test_every_kernel_equals_the_reference[window-5-gqa]",
+            "tests/test_kernels.py::test_every_kernel_equals_the_reference[causal-72-gqa]",
+        ],
+        why="every query block of a prefill applies the first block's mask rows",
+    ),
+    dict(
+        name="malloc-still-maps-large-blocks",
+        file="causal_lm/malloc.py",
+        old="return bool(mallopt(M_MMAP_MAX, 0)) and bool(mallopt(M_TRIM_THRESHOLD, _TRIM_NEVER))",
+        new="return bool(mallopt(M_TRIM_THRESHOLD, _TRIM_NEVER))",
+        tests=["tests/test_launch_malloc.py::test_glibc_keeps_freed_memory_for_the_next_allocation"],
+        why="large blocks still come from mmap, so freed temporaries go back to the kernel and are zero-filled again",
+    ),
 ]
