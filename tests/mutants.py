@@ -84,10 +84,13 @@ MUTANTS = [
     dict(
         name="blocked-attention-rows",
         file="causal_lm/model/kernels.py",
-        old="mask.visible[:, i:e, :e],",
-        new="mask.visible[:, : e - i, :e],",
-        tests=["tests/test_kernels.py::test_every_kernel_equals_the_reference[causal-72-mha]"],
-        why="the blocked kernel masks every query block with the first block's rows",
+        old="mask.visible[:, i:e, :s],",
+        new="mask.visible[:, : e - i, :s],",
+        tests=[
+            "tests/test_kernels.py::test_every_kernel_equals_the_reference[causal-72-mha]",
+            "tests/test_kernels.py::test_every_kernel_equals_the_reference[window-5-gqa]",
+        ],
+        why="the blocked kernels (causal and query-blocked) mask every query block with the first block's rows",
     ),
     dict(
         name="norm-eps-hard-coded",
@@ -348,15 +351,15 @@ MUTANTS = [
         why="the persistent compilation cache is on but keeps no program, so every run compiles again",
     ),
     dict(
-        name="query-blocks-read-the-first-rows-of-the-mask",
+        name="query-blocks-skip-later-keys",
         file="causal_lm/model/kernels.py",
-        old="mask.visible[:, i:e], sink=sink, zero_after=za",
-        new="mask.visible[:, : e - i], sink=sink, zero_after=za",
+        old="s = e if keys_to_block_end else k.shape[1]",
+        new="s = e",
         tests=[
-            "tests/test_kernels.py::test_every_kernel_equals_the_reference[window-5-gqa]",
-            "tests/test_kernels.py::test_every_kernel_equals_the_reference[causal-72-gqa]",
+            "tests/test_kernels.py::test_every_kernel_equals_the_reference[chunk-3-at-offset-gqa]",
+            "tests/test_kernels.py::test_every_kernel_equals_the_reference[ring-2-gqa]",
         ],
-        why="every query block of a prefill applies the first block's mask rows",
+        why="query blocks over a cache's keys score only the keys up to the block's end, as if the mask were causal",
     ),
     dict(
         name="malloc-still-maps-large-blocks",

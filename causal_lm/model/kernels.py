@@ -174,6 +174,27 @@ def causal_query_block(T: int) -> int:
     return max(64, -(-T // 8))
 
 
+def _query_blocks(q, k, v, mask: AttentionMask, *, scale, sink, softcap, block: int, keys_to_block_end: bool):
+    """Heads-major attention in query blocks of `block`. keys_to_block_end: each block scores only the keys up to
+    its own end (sound only when no later key is visible, see blocked_causal_attention); else every key."""
+    T = q.shape[1]
+    qh, kh, vh = _heads_major(q, k, v)
+    outs = []
+    for i in range(0, T, block):
+        e = min(i + block, T)
+        s = e if keys_to_block_end else k.shape[1]  # the keys block [i, e) scores
+        za = None if mask.zero_after is None else mask.zero_after[:, i:e, :s]
+        w = masked_softmax(
+            _hm_scores(qh[:, :, :, i:e], kh[:, :, :s], scale),
+            mask.visible[:, i:e, :s],
+            sink=sink,
+            zero_after=za,
+            softcap=softcap,
+        )
+        outs.append(_hm_values(w, vh[:, :, :s]))
+    return _from_heads_major(jnp.concatenate(outs, axis=3))
+
+
 def blocked_causal_attention(q, k, v, mask: AttentionMask, *, scale, sink=None, softcap=None, block: int):
     """Heads-major attention in query blocks of `block`, each scoring only the keys up to its own end.
 
@@ -183,21 +204,7 @@ def blocked_causal_attention(q, k, v, mask: AttentionMask, *, scale, sink=None, 
     the T x T square. The mask is still applied inside each block."""
     if not mask.index_causal or k.shape[1] != q.shape[1]:
         raise ValueError("blocked_causal_attention needs a mask whose keys are the queries' own, index-causal tokens")
-    T = q.shape[1]
-    qh, kh, vh = _heads_major(q, k, v)
-    outs = []
-    for i in range(0, T, block):
-        e = min(i + block, T)  # queries [i, e) see no key at index >= e
-        za = None if mask.zero_after is None else mask.zero_after[:, i:e, :e]
-        w = masked_softmax(
-            _hm_scores(qh[:, :, :, i:e], kh[:, :, :e], scale),
-            mask.visible[:, i:e, :e],
-            sink=sink,
-            zero_after=za,
-            softcap=softcap,
-        )
-        outs.append(_hm_values(w, vh[:, :, :e]))
-    return _from_heads_major(jnp.concatenate(outs, axis=3))
+    return _query_blocks(q, k, v, mask, scale=scale, sink=sink, softcap=softcap, block=block, keys_to_block_end=True)
 
 
 def query_blocked_attention(q, k, v, mask: AttentionMask, *, scale, sink=None, softcap=None, block: int):
@@ -209,17 +216,7 @@ def query_blocked_attention(q, k, v, mask: AttentionMask, *, scale, sink=None, s
     trip through main memory: on the 135M shape's prefill (9 heads, 512 queries over 528 keys) blocks of 64 took
     the attention from 233 to 133 ms per layer at batch 8 and from 22 to 17 ms at batch 1 (2-core EPYC). For many
     queries whose mask promises nothing about the keys' order (a prompt written into a cache)."""
-    T = q.shape[1]
-    qh, kh, vh = _heads_major(q, k, v)
-    outs = []
-    for i in range(0, T, block):
-        e = min(i + block, T)
-        za = None if mask.zero_after is None else mask.zero_after[:, i:e]
-        w = masked_softmax(
-            _hm_scores(qh[:, :, :, i:e], kh, scale), mask.visible[:, i:e], sink=sink, zero_after=za, softcap=softcap
-        )
-        outs.append(_hm_values(w, vh))
-    return _from_heads_major(jnp.concatenate(outs, axis=3))
+    return _query_blocks(q, k, v, mask, scale=scale, sink=sink, softcap=softcap, block=block, keys_to_block_end=False)
 
 
 # ---- in place: few queries over a cache ---------------------------------------------------------------------
