@@ -15,7 +15,7 @@ The cost is the usual one of such allocators: the process keeps its peak footpri
 
 `causal-lm` calls `keep_freed_memory()` before it runs a command. CAUSAL_LM_MALLOC=system leaves glibc's
 defaults alone (the same switch as launch/_malloc.sh); a preloaded allocator (LD_PRELOAD naming tcmalloc or
-jemalloc) is left to do the job.
+jemalloc, or CAUSAL_LM_MALLOC=PATH, which launch/_malloc.sh preloads) is left to do the job.
 """
 
 from __future__ import annotations
@@ -41,10 +41,11 @@ def keep_freed_memory() -> str:
     if _state is not None:
         return _state
     preload = os.environ.get("LD_PRELOAD", "")
-    if os.environ.get(ENV, "auto").strip().lower() == "system":
+    choice = os.environ.get(ENV, "auto").strip()
+    if choice.lower() == "system":
         _state = "system"
-    elif "tcmalloc" in preload or "jemalloc" in preload or "mimalloc" in preload:
-        _state = "preloaded"
+    elif choice.lower() not in ("auto", "") or "tcmalloc" in preload or "jemalloc" in preload:
+        _state = "preloaded"  # launch/_malloc.sh preloaded CAUSAL_LM_MALLOC=PATH, or tcmalloc / jemalloc
     else:
         _state = "glibc" if _mallopt() else "unavailable"
     return _state
