@@ -122,13 +122,28 @@ class _QuietOrbaxErrors(logging.Filter):
     installed = False
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.levelno >= logging.ERROR and record.exc_info and "orbax" in record.pathname)
+        return not (record.levelno >= logging.ERROR and record.exc_info and _raised_in_orbax(record))
 
     @classmethod
     def install(cls) -> None:
         if not cls.installed:
             logging.getLogger("absl").addFilter(cls())
+            # A save's parallel writes are asyncio tasks: when several fail (a full disk), orbax re-raises one and
+            # asyncio logs each other one as "Task exception was never retrieved" with its traceback.
+            logging.getLogger("asyncio").addFilter(cls())
             cls.installed = True
+
+
+def _raised_in_orbax(record: logging.LogRecord) -> bool:
+    """Whether a logged error came from orbax: logged by its code, or its exception raised through its frames."""
+    if "orbax" in record.pathname:
+        return True
+    tb = record.exc_info[2] if record.exc_info else None
+    while tb is not None:
+        if "orbax" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _show_our_warnings(prefix: str) -> None:
