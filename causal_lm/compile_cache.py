@@ -10,10 +10,12 @@ time.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache as _jax_cache
 
 ENV = "CAUSAL_LM_COMPILATION_CACHE"
 _OFF = ("", "0", "off", "none", "false", "no")
@@ -39,7 +41,25 @@ def enable(directory: str | None = None) -> str | None:
     except OSError as e:
         print(f"note: compilation cache off: cannot create {directory} ({e.strerror})", file=sys.stderr)
         return None
+    if jax.config.jax_compilation_cache_dir != directory or not jax.config.jax_enable_compilation_cache:
+        # JAX opens its cache once per process, at the first compile: point it at the new folder.
+        _jax_cache.reset_cache()
+    jax.config.update("jax_enable_compilation_cache", True)
     jax.config.update("jax_compilation_cache_dir", directory)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return directory
+
+
+@contextlib.contextmanager
+def bypassed():
+    """Compile without the persistent cache inside the block (neither read nor written), e.g. to time a compile:
+    a program found in the cache would time its loading instead. The cache is as before afterwards."""
+    was_enabled = jax.config.jax_enable_compilation_cache
+    _jax_cache.reset_cache()
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        _jax_cache.reset_cache()
+        jax.config.update("jax_enable_compilation_cache", was_enabled)

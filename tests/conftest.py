@@ -19,6 +19,17 @@ if os.environ.get("CAUSAL_LM_TEST_OPTIMIZED") != "1":
         )
     )
 
+# The CLI's persistent compilation cache (on by default, in the user's cache folder): the suite's `causal-lm` calls,
+# in this process and in subprocesses, share one folder of its own that is deleted at the end.
+if "CAUSAL_LM_COMPILATION_CACHE" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    _jax_cache = tempfile.mkdtemp(prefix="causal_lm_tests_jax_cache_")
+    os.environ["CAUSAL_LM_COMPILATION_CACHE"] = _jax_cache
+    atexit.register(shutil.rmtree, _jax_cache, ignore_errors=True)
+
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")

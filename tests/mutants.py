@@ -351,6 +351,14 @@ MUTANTS = [
         why="the persistent compilation cache is on but keeps no program, so every run compiles again",
     ),
     dict(
+        name="bench-train-times-a-cache-load",
+        file="causal_lm/compile_cache.py",
+        old='jax.config.update("jax_enable_compilation_cache", False)',
+        new='jax.config.update("jax_enable_compilation_cache", True)',
+        tests=["tests/test_compile_cache.py::test_bench_train_times_a_real_compile_not_a_cache_load"],
+        why="bench train's first-step compile time reads a program from the persistent cache (seconds, not a compile)",
+    ),
+    dict(
         name="query-blocks-skip-later-keys",
         file="causal_lm/model/kernels.py",
         old="s = e if keys_to_block_end else k.shape[1]",
