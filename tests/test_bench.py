@@ -195,3 +195,15 @@ def test_first_call_latency_compiles_in_the_first_process_and_reads_the_cache_in
     assert r["cached_compile_first_token_s"] <= r["cached_compile_s"]
     # The first process wrote its compiled programs to the empty folder; the second found every one of them there.
     assert r["first_call_cache_entries_added"] > 0 and r["cached_compile_cache_entries_added"] == 0, r
+
+
+def test_decode_steps_lost_in_timing_noise_give_a_lower_bound_and_a_note():
+    """n decode steps are timed as t(1 + n) - t(1); when the difference is within the call's noise (a tiny run), the
+    rate falls back to the whole call's share of n steps, a lower bound, and says so, instead of dividing by ~0."""
+    from causal_lm.bench.decode import NOISE_FRACTION, _steps_seconds
+    from causal_lm.train import Note
+
+    assert _steps_seconds(1.0, 3.0, 4) == 2.0
+    for t_all in (1.0, 0.999, 1.0 + NOISE_FRACTION / 2):  # equal, shorter (noise), barely longer
+        with pytest.warns(Note, match="lower bound"):
+            assert _steps_seconds(1.0, t_all, 4) == pytest.approx(t_all * 4 / 5)
