@@ -359,6 +359,14 @@ MUTANTS = [
         why="bench train's first-step compile time reads a program from the persistent cache (seconds, not a compile)",
     ),
     dict(
+        name="prompt-lookup-runs-past-the-end",
+        file="causal_lm/decode/speculative.py",
+        old="follow = start[:, None] + jnp.arange(k) % period",
+        new="follow = start[:, None] + jnp.arange(k)",
+        tests=["tests/test_speculative.py::test_prompt_lookup_proposes_k_tokens_and_continues_repeats_periodically"],
+        why="an occurrence overlapping the end proposes the padding after the row instead of repeating its period",
+    ),
+    dict(
         name="query-blocks-skip-later-keys",
         file="causal_lm/model/kernels.py",
         old="s = e if keys_to_block_end else k.shape[1]",

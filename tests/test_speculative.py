@@ -10,6 +10,7 @@ prompt lookup), and with every draft kind on ring-buffer, MLA and quantized cach
 import collections
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_cache import PROMPTS
@@ -256,3 +257,26 @@ def test_bad_speculative_arguments():
         generate(model, PROMPTS, max_new_tokens=4, speculative=build_model(tiny_config("gqa", vocab_size=50)))
     with pytest.raises(GenerateError, match="num_samples"):
         generate(model, PROMPTS, max_new_tokens=4, num_samples=0)
+
+
+def test_prompt_lookup_proposes_k_tokens_and_continues_repeats_periodically():
+    """Prompt lookup's drafts: the tokens after the latest earlier occurrence of the row's last n tokens (longest n
+    first); an occurrence overlapping the end (a run of one token, a repeated phrase) continues periodically, so
+    it proposes k tokens too, not only the one or two left before the end; no occurrence, no proposal."""
+    from causal_lm.decode.speculative import ngram_proposals
+
+    rows = [
+        [5, 5, 5, 5, 0, 0, 0, 0],  # a run of one token: period 1
+        [1, 2, 3, 1, 2, 3, 1, 2],  # a repeated phrase: [3, 1, 2] seen at 2, followers from 5, period 3
+        [7, 8, 9, 4, 7, 8, 0, 0],  # [7, 8] seen at 0: followers 9, 4, 7, 8 (no overlap)
+        [1, 2, 3, 4, 0, 0, 0, 0],  # nothing recurs
+        [6, 1, 6, 2, 6, 0, 0, 0],  # only [6] recurs, latest at 2: followers 2, 6, then periodic
+    ]
+    lengths = [4, 8, 6, 4, 5]
+    drafts, n = ngram_proposals(jnp.asarray(rows, jnp.int32), jnp.asarray(lengths, jnp.int32), k=5)
+    drafts, n = np.asarray(drafts), np.asarray(n)
+    assert n.tolist() == [5, 5, 5, 0, 5]
+    assert drafts[0].tolist() == [5, 5, 5, 5, 5]
+    assert drafts[1].tolist() == [3, 1, 2, 3, 1]
+    assert drafts[2].tolist() == [9, 4, 7, 8, 9]
+    assert drafts[4].tolist() == [2, 6, 2, 6, 2]

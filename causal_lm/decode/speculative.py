@@ -58,7 +58,10 @@ def ngram_proposals(history, hist_len, k: int, max_n: int = 3):
     """Prompt-lookup drafts: (tokens [B, k], how many of them are proposals [B]).
 
     For n = max_n .. 1, the most recent earlier occurrence of the row's last n tokens (one that ends before the
-    last token) proposes the up to k tokens that followed it; the longest n that occurs wins."""
+    last token) proposes the k tokens that follow it; the longest n that occurs wins. An occurrence that overlaps
+    the suffix (a run of one repeated token, a repeated phrase) has fewer than k tokens after it: the history is
+    periodic from there with period p = (the row's length - where the followers start), so its continuation is
+    those p tokens repeated."""
     B, H = history.shape
     pos = jnp.arange(H, dtype=jnp.int32)
     start = jnp.zeros((B,), jnp.int32)
@@ -73,8 +76,10 @@ def ngram_proposals(history, hist_len, k: int, max_n: int = 3):
         use = ~found & (last >= 0)
         start = jnp.where(use, last + n, start)
         found |= use
-    drafts = jnp.take_along_axis(history, jnp.clip(start[:, None] + jnp.arange(k), 0, H - 1), axis=1)
-    return drafts, jnp.where(found, jnp.clip(hist_len - start, 0, k), 0)
+    period = jnp.maximum(hist_len - start, 1)[:, None]
+    follow = start[:, None] + jnp.arange(k) % period
+    drafts = jnp.take_along_axis(history, jnp.clip(follow, 0, H - 1), axis=1)
+    return drafts, jnp.where(found, k, 0)
 
 
 def _draft_proposals(draft, layers, cache, history, hist_len, active, k, key, temperature, top_k, top_p, mesh):
