@@ -80,3 +80,14 @@ def _release_compiled_programs_when_many():
     yield
     if _memory_maps() > MAPS_LIMIT:
         _release()
+
+
+# Files first in the run, slowest first: `./launch/test.sh` runs whole files on two or more workers (pytest-xdist,
+# --dist loadfile, in this order), and the README's commands, a third of the suite, would otherwise start last and
+# run alone at the end.
+SLOW_FILES_FIRST = ("test_readme.py",)
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its order
