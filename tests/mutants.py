@@ -182,6 +182,17 @@ MUTANTS = [
         tests=[K + "test_int8_cache_reads_back_what_was_written"],
         why="a quantized cache read back without its per-token scales",
     ),
+    dict(
+        name="quantize-without-scale",
+        file="causal_lm/model/kv_cache.py",
+        old="scale = jnp.where(amax > 0, amax / limit, 1.0)",
+        new="scale = jnp.ones_like(amax)",
+        tests=[
+            "tests/test_kv_memory.py::test_quantized_cache_values_are_within_their_formats_rounding_bound[int8]",
+            "tests/test_kv_memory.py::test_quantized_caches_decode_within_the_drift_of_their_rounding_noise[int8]",
+        ],
+        why="int8/float8 K/V cast without an absmax scale (each value rounded to an integer)",
+    ),
     # ---- generation and sampling -------------------------------------------------------------------------------
     dict(
         name="recompute-uses-cache",
