@@ -193,6 +193,14 @@ MUTANTS = [
         ],
         why="int8/float8 K/V cast without an absmax scale (each value rounded to an integer)",
     ),
+    dict(
+        name="scatter-clips-padding",
+        file="causal_lm/model/kv_cache.py",
+        old="mode=jax.lax.GatherScatterMode.FILL_OR_DROP,",
+        new="mode=jax.lax.GatherScatterMode.CLIP,",
+        tests=[C + "test_padding_past_a_full_row_is_dropped_not_written_to_its_last_slot"],
+        why="padding written past the end is clipped onto the last slot, not dropped (a full row loses its last K/V)",
+    ),
     # ---- generation and sampling -------------------------------------------------------------------------------
     dict(
         name="recompute-uses-cache",
@@ -201,6 +209,17 @@ MUTANTS = [
         new="        graphdef=graphdef,\n        use_cache=True,\n        chunk=chunk,",
         tests=[K + "test_the_recompute_path_runs_the_model_over_the_whole_sequence"],
         why="generate(use_cache=False) silently decodes through the cache",
+    ),
+    dict(
+        name="chunked-prefill-rounds-down",
+        file="causal_lm/decode/generate.py",
+        old="prompt_len = -(-prompt_len // chunk) * chunk",
+        new="prompt_len = prompt_len // chunk * chunk",
+        tests=[
+            C + "test_generate_with_chunked_prefill_at_the_bucket_edges[8-3]",
+            C + "test_generate_with_chunked_prefill_at_the_bucket_edges[5-16]",
+        ],
+        why="the prompt buffer rounded down to whole chunks: no room for the prompt when the chunk does not divide it",
     ),
     dict(
         name="top-k-drops-kth",
@@ -289,6 +308,14 @@ MUTANTS = [
         why="a non-finite step's update is applied to the parameters",
     ),
     dict(
+        name="nan-at-the-bad-step-is-a-spike",
+        file="causal_lm/train/loop.py",
+        old="if bad_step and first + i >= bad_step:",
+        new="if bad_step and first + i > bad_step:",
+        tests=["tests/test_train.py::test_a_nan_loss_at_the_bad_step_is_the_non_finite_error_not_a_spike"],
+        why="the bad step's own NaN loss goes through the spike monitor: a plain divergence, not NonFiniteLossError",
+    ),
+    dict(
         name="resume-forgets-rng",
         file="causal_lm/train/loop.py",
         old="state = dataclasses.replace(state, params=params, **train_state)",
@@ -368,6 +395,14 @@ MUTANTS = [
         new='jax.config.update("jax_enable_compilation_cache", True)',
         tests=["tests/test_compile_cache.py::test_bench_train_times_a_real_compile_not_a_cache_load"],
         why="bench train's first-step compile time reads a program from the persistent cache (seconds, not a compile)",
+    ),
+    dict(
+        name="bypass-turns-the-cache-on",
+        file="causal_lm/compile_cache.py",
+        old='jax.config.update("jax_enable_compilation_cache", was_enabled)',
+        new='jax.config.update("jax_enable_compilation_cache", True)',
+        tests=["tests/test_compile_cache.py::test_bypassed_restores_the_flag_it_found_when_nested_and_when_off"],
+        why="compile_cache.bypassed() turns the cache on afterwards, whatever it found (off, or nested)",
     ),
     dict(
         name="prompt-lookup-runs-past-the-end",

@@ -87,3 +87,21 @@ def test_bench_train_times_a_real_compile_not_a_cache_load(cache_in):
     assert _entries(cache_in) == []
     jax.jit(lambda x: x * 3 + 1)(jnp.ones(5)).block_until_ready()
     assert any(e.startswith("jit__lambda") for e in _entries(cache_in)), _entries(cache_in)
+
+
+def test_bypassed_restores_the_flag_it_found_when_nested_and_when_off():
+    """The cache flag after `bypassed()` is the one it found: off stays off (a caller who turned the cache off),
+    and an inner bypass leaves the outer one's block uncached."""
+    before = jax.config.jax_enable_compilation_cache
+    try:
+        for found in (False, True):
+            jax.config.update("jax_enable_compilation_cache", found)
+            with compile_cache.bypassed():
+                assert jax.config.jax_enable_compilation_cache is False
+                with compile_cache.bypassed():
+                    assert jax.config.jax_enable_compilation_cache is False
+                assert jax.config.jax_enable_compilation_cache is False  # still inside the outer bypass
+            assert jax.config.jax_enable_compilation_cache is found
+    finally:
+        jax_cache.reset_cache()
+        jax.config.update("jax_enable_compilation_cache", before)

@@ -2,6 +2,7 @@
 gradients by token count, halts on a non-finite loss naming the step without saving it, and rejects bad input
 before any compute. One tiny run is trained once (through the CLI) and shared by the tests of this module."""
 
+import dataclasses
 import json
 import math
 import os
@@ -20,6 +21,7 @@ from causal_lm.data import build_data, builtin_documents
 from causal_lm.train import (
     Checkpointer,
     CheckpointError,
+    DivergenceError,
     NonFiniteLossError,
     evaluate,
     load_for_inference,
@@ -327,3 +329,32 @@ def test_non_finite_loss_halts_naming_the_step_and_saves_nothing_bad(tmp_path, c
         assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
     else:
         assert steps == [] and "no checkpoint had been written yet" in str(e.value)
+
+
+def test_a_nan_loss_at_the_bad_step_is_the_non_finite_error_not_a_spike(tmp_path, monkeypatch):
+    """Parameters poisoned with NaN before step 3 of 4 (one log step at 4): the step's own check records step 3,
+    and the loop reports the non-finite-loss error for it. The spike monitor sees only the steps before it: were
+    step 3's NaN loss checked there, it would be a plain DivergenceError ("the loss at step 3 is nan")."""
+    from causal_lm.train import loop
+
+    real = loop.compiled_train_step
+
+    def poisoned(*args, **kwargs):
+        step_fn = real(*args, **kwargs)
+
+        def run(state, rest, batch):
+            if int(state.step) == 2:  # the update of step 3
+                nan = jax.tree.map(lambda x: np.full(x.shape, np.nan, x.dtype), state.params)
+                state = dataclasses.replace(state, params=nan)
+            return step_fn(state, rest, batch)
+
+        return run
+
+    monkeypatch.setattr(loop, "compiled_train_step", poisoned)
+    every = ["train.steps=4", "train.log_every=4", "train.eval_every=4", "train.checkpoint_every=4"]
+    config = load_config("tiny", [*every, "train.progress=false", "train.sample_tokens=0"])
+    with pytest.raises(DivergenceError) as e:
+        train_and_evaluate(config, str(tmp_path))
+    err = e.value
+    assert type(err) is NonFiniteLossError and err.step == 3, str(err)
+    assert "diverged: non-finite loss or gradient at step 3 (loss=nan, grad_norm=nan)" in str(err), str(err)
