@@ -404,4 +404,16 @@ MUTANTS = [
         tests=["tests/test_launch_malloc.py::test_glibc_keeps_freed_memory_for_the_next_allocation"],
         why="large blocks still come from mmap, so freed temporaries go back to the kernel and are zero-filled again",
     ),
+    dict(
+        name="backend-table-cudnn-claims-sinks",
+        file="causal_lm/config.py",
+        old="        mla=False,\n        sink=False,\n        softcap=False,\n        fused=True,",
+        new="        mla=False,\n        sink=True,\n        softcap=False,\n        fused=True,",
+        tests=[
+            "tests/test_kernels.py::test_auto_picks_the_fused_kernel_the_platform_and_call_allow",
+            M + "test_fused_backend_and_remat_config_errors",
+        ],
+        why="the attention backends' table claims cuDNN has sink logits: config validation accepts attn_sink with "
+        "attention_impl=cudnn and `auto` picks cuDNN for a model with sinks, which its kernel cannot run",
+    ),
 ]

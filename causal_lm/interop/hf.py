@@ -11,7 +11,7 @@ and optionally tied embeddings. Qwen2 adds biases on q/k/v (not on o); Qwen3 an 
 (`qk_norm`); SmolLM3 NoPE layers (`rope_pattern`); Gemma 2 (1 + w) norms, norms after attention and the MLP, scaled
 embeddings, GeGLU, `query_pre_attn_scalar` and tanh softcapping of scores and logits; Gemma 3 QK-norm instead of
 the score softcap and a separate RoPE theta on its local layers. RoPE scaling (`linear`, `llama3`, `yarn`) maps
-onto the `rope_*` fields. So loading is transposes and reshapes, no permutation:
+onto `rope_theta` and `rope_scaling`. So loading is transposes and reshapes, no permutation:
 
     HF nn.Linear weight [out, in]                    ours
     self_attn.q_proj.weight   [N*H, D]   ->  blocks.attn.wq   [L, D, N, H]
@@ -146,7 +146,8 @@ def _rope_scaling(d: dict, hf: dict, theta: float, where: str, *, nested: bool =
             f"config.json: partial_rotary_factor={d['partial_rotary_factor']} is not supported "
             "for these architectures; expected 1.0"
         )
-    out: dict[str, Any] = {"rope_type": kind, "rope_theta": float(d.get("rope_theta", theta))}
+    scaling: dict[str, Any] = {"type": kind}
+    out: dict[str, Any] = {"rope_theta": float(d.get("rope_theta", theta)), "rope_scaling": scaling}
     if kind == "default":
         return out
 
@@ -160,19 +161,19 @@ def _rope_scaling(d: dict, hf: dict, theta: float, where: str, *, nested: bool =
         # transformers' standardize_rope_params: a top-level original_max_position_embeddings wins (flat dicts).
         original = None if nested else hf.get("original_max_position_embeddings")
         original = original or d.get("original_max_position_embeddings") or context
-        out["rope_original_max_len"] = int(original)
+        scaling["original_max_len"] = int(original)
     if kind in ("linear", "llama3"):
-        out["rope_factor"] = float(need("factor"))
+        scaling["factor"] = float(need("factor"))
     if kind == "llama3":
-        out["rope_low_freq_factor"] = float(need("low_freq_factor"))
-        out["rope_high_freq_factor"] = float(need("high_freq_factor"))
+        scaling["low_freq_factor"] = float(need("low_freq_factor"))
+        scaling["high_freq_factor"] = float(need("high_freq_factor"))
     if kind == "yarn":
         factor = d.get("factor")
-        factor = context / out["rope_original_max_len"] if factor is None else float(factor)
-        out["rope_factor"] = factor
-        out["rope_beta_fast"] = float(d.get("beta_fast") or 32.0)
-        out["rope_beta_slow"] = float(d.get("beta_slow") or 1.0)
-        out["rope_truncate"] = bool(d.get("truncate", True))
+        factor = context / scaling["original_max_len"] if factor is None else float(factor)
+        scaling["factor"] = factor
+        scaling["beta_fast"] = float(d.get("beta_fast") or 32.0)
+        scaling["beta_slow"] = float(d.get("beta_slow") or 1.0)
+        scaling["truncate"] = bool(d.get("truncate", True))
         attention_factor = d.get("attention_factor")
         mscale, mscale_all_dim = d.get("mscale"), d.get("mscale_all_dim")
         if attention_factor is None and mscale and mscale_all_dim:  # DeepSeek's form, resolved here
@@ -182,12 +183,12 @@ def _rope_scaling(d: dict, hf: dict, theta: float, where: str, *, nested: bool =
 
             attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
         if attention_factor is not None:
-            out["rope_attention_factor"] = float(attention_factor)
+            scaling["attention_factor"] = float(attention_factor)
     return out
 
 
 def _rope(hf: dict, arch: str) -> dict:
-    """ModelConfig RoPE fields (rope_theta, rope_type and its parameters, rope_local_theta) for config.json.
+    """ModelConfig RoPE fields (rope_theta, rope_scaling as a dict, rope_local_theta) for config.json.
 
     transformers >= 5 writes `rope_parameters: {rope_type, rope_theta, ...}` (Gemma 3: one dict per layer type,
     `sliding_attention` and `full_attention`); older configs write a top-level `rope_theta` and `rope_scaling`
@@ -219,7 +220,7 @@ def _rope(hf: dict, arch: str) -> dict:
     local.setdefault("rope_theta", hf.get("rope_local_base_freq", _GEMMA3_LOCAL_THETA))
     out = _rope_scaling(glob, hf, theta, "full_attention", nested=True)
     local_out = _rope_scaling(local, hf, theta, "sliding_attention", nested=True)
-    if local_out["rope_type"] == "default":
+    if local_out["rope_scaling"]["type"] == "default":
         if local_out != out:
             out["rope_local_theta"] = local_out["rope_theta"]
     elif local_out != out:
@@ -433,17 +434,18 @@ def _rope_json(c: ModelConfig, kind: str = "rope") -> dict:
     """transformers' rope parameters dict for a layer kind of `c.layer_ropes`."""
     if kind == "local":
         return {"rope_type": "default", "rope_theta": c.rope_local_theta}
-    d: dict[str, Any] = {"rope_type": c.rope_type, "rope_theta": c.rope_theta}
-    if c.rope_type != "default":
-        d["factor"] = c.rope_factor
-    if c.rope_type in ("llama3", "yarn"):
-        d["original_max_position_embeddings"] = c.rope_original_max_len
-    if c.rope_type == "llama3":
-        d.update(low_freq_factor=c.rope_low_freq_factor, high_freq_factor=c.rope_high_freq_factor)
-    if c.rope_type == "yarn":
-        d.update(beta_fast=c.rope_beta_fast, beta_slow=c.rope_beta_slow, truncate=c.rope_truncate)
-        if c.rope_attention_factor is not None:
-            d["attention_factor"] = float(c.rope_attention_factor)
+    r = c.rope_scaling
+    d: dict[str, Any] = {"rope_type": r.type, "rope_theta": c.rope_theta}
+    if r.type != "default":
+        d["factor"] = r.factor
+    if r.type in ("llama3", "yarn"):
+        d["original_max_position_embeddings"] = r.original_max_len
+    if r.type == "llama3":
+        d.update(low_freq_factor=r.low_freq_factor, high_freq_factor=r.high_freq_factor)
+    if r.type == "yarn":
+        d.update(beta_fast=r.beta_fast, beta_slow=r.beta_slow, truncate=r.truncate)
+        if r.attention_factor is not None:
+            d["attention_factor"] = float(r.attention_factor)
     return d
 
 
@@ -497,7 +499,7 @@ def hf_config_from_model(
         "torch_dtype": c.param_dtype,
         "use_cache": True,
     }
-    if c.rope_type != "default":
+    if c.rope_scaling.type != "default":
         out["rope_scaling"] = rope
     if arch in ("LlamaForCausalLM", "SmolLM3ForCausalLM"):
         out.update(attention_bias=False, mlp_bias=False)
