@@ -312,7 +312,7 @@ MUTANTS = [
     ),
     dict(
         name="hf-o-proj-not-transposed",
-        file="causal_lm/interop/hf.py",
+        file="causal_lm/interop/hf_weights.py",
         old="lambda w, c: w.T.reshape(N, H, D),",
         new="lambda w, c: w.reshape(N, H, D),",
         tests=[K + "test_hf_layout_written_by_hand_loads_to_the_same_model"],
@@ -320,7 +320,7 @@ MUTANTS = [
     ),
     dict(
         name="hf-bias-layout",
-        file="causal_lm/interop/hf.py",
+        file="causal_lm/interop/hf_weights.py",
         old="lambda w, c, heads=heads: w.reshape(heads, H),",
         new="lambda w, c, heads=heads: w.reshape(H, heads).T,",
         tests=[K + "test_hf_layout_written_by_hand_loads_to_the_same_model"],
