@@ -3,14 +3,20 @@
 One `Config` object is passed whole; each section is a frozen dataclass that validates itself at
 construction, so an invalid combination fails before any array is allocated. Derived sizes are properties.
 
-Overrides come from the command line as `section.key=value` (`model.num_layers=4`, `train.steps=100`);
-a bare `key=value` is looked up in the model section first, then in any section that has that key. Values are
-converted to the field's type; an unknown key is an error listing the valid ones.
+Overrides come from the command line as `section.key=value` (`model.num_layers=4`, `train.steps=100`), a model
+sub-structure's keys by their path (`model.rope_scaling.factor=8`, `model.mla.kv_lora_rank=64`); a bare
+`key=value` is looked up in the model section first, then in any section that has that key. The model's old flat
+names (`model.rope_factor=8`) still work, mapped to their new path. Values are converted to the field's type; an
+unknown key is an error listing the valid ones.
+
+What each attention backend can compute is one table, ATTENTION_BACKENDS, read by the validation here and by the
+backend choice at run time (causal_lm/model/backends.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import os
 import typing
@@ -19,7 +25,6 @@ from typing import Any, Optional
 
 POSITIONS = ("rope", "none", "learned")
 MASKS = ("causal", "none", "causal_after_softmax")
-ATTENTION_IMPLS = ("auto", "xla", "dot_product_attention", "cudnn", "splash")
 REMATS = ("none", "minimal", "full")
 ATTENTION_TYPES = ("mha", "mla")
 LAYER_KINDS = ("global", "local")
@@ -44,15 +49,268 @@ def _check(cond: bool, msg: str) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling (`model.rope_scaling.*`), computed as transformers computes it (modeling_rope_utils).
+
+    "default": plain RoPE; "linear" divides every frequency by `factor`; "llama3" (Llama 3.1+) divides the low
+    frequencies by `factor` and blends the middle band between `low_freq_factor` and `high_freq_factor` of the
+    `original_max_len` context; "yarn" (Qwen, DeepSeek) ramps between interpolated and original frequencies from
+    `beta_fast` to `beta_slow` rotations and multiplies cos and sin by `attention_factor`. Every other field belongs
+    to the types named in `APPLIES`; setting one for another type is an error (it would silently do nothing).
+    """
+
+    type: str = "default"  # "default" | "linear" | "llama3" | "yarn"
+    factor: float = 1.0  # linear / llama3 / yarn: the context extension factor
+    original_max_len: int = 0  # llama3 / yarn: the pretraining context (original_max_position_embeddings)
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float | None = None  # yarn: cos/sin multiplier; None -> 0.1 * ln(factor) + 1
+    truncate: bool = True  # yarn: round the correction range to whole dims
+
+    APPLIES: typing.ClassVar[dict] = {
+        "factor": ("linear", "llama3", "yarn"),
+        "original_max_len": ("llama3", "yarn"),
+        "low_freq_factor": ("llama3",),
+        "high_freq_factor": ("llama3",),
+        "beta_fast": ("yarn",),
+        "beta_slow": ("yarn",),
+        "attention_factor": ("yarn",),
+        "truncate": ("yarn",),
+    }
+
+    def __post_init__(self):
+        t = self.type
+        _check(
+            t != "dynamic",
+            "model.rope_scaling.type='dynamic' (dynamic NTK) is not implemented: transformers recomputes its "
+            "frequencies from the length of each call, so one model's RoPE would depend on how it is called",
+        )
+        _check(t in ROPE_TYPES, f"model.rope_scaling.type must be one of {ROPE_TYPES}, got {t!r}")
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, types in self.APPLIES.items():
+            _check(
+                getattr(self, name) == defaults[name] or t in types,
+                f"model.rope_scaling.{name} only applies to rope_scaling.type {' / '.join(map(repr, types))} "
+                f"(this model uses {t!r})",
+            )
+        if t != "default":
+            _check(self.factor > 0, f"model.rope_scaling.factor must be positive, got {self.factor}")
+        if t in ("llama3", "yarn"):
+            m = self.original_max_len
+            _check(
+                isinstance(m, int) and m > 0,
+                f"rope_scaling.type={t!r} needs model.rope_scaling.original_max_len, the pretraining context "
+                f"(a positive integer), got {m!r}",
+            )
+        if t == "llama3":
+            _check(
+                self.high_freq_factor > self.low_freq_factor > 0,
+                "rope_scaling.type='llama3' needs 0 < model.rope_scaling.low_freq_factor < "
+                f"model.rope_scaling.high_freq_factor, got {self.low_freq_factor} and {self.high_freq_factor}",
+            )
+        a = self.attention_factor
+        _check(a is None or a > 0, f"model.rope_scaling.attention_factor must be positive or None, got {a}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (`model.mla.*`, DeepSeek-V2), used when model.attention_type="mla".
+
+    K/V come from a kv_lora_rank latent; RoPE acts only on a separate qk_rope_head_dim part (one rope key shared
+    by all heads). The cache holds latent + rope key per token. Sizes left at None are derived by ModelConfig."""
+
+    kv_lora_rank: int | None = None  # required for "mla"
+    q_lora_rank: int | None = None  # None: queries projected directly from the model dim
+    qk_nope_head_dim: int | None = None  # None -> head_dim
+    qk_rope_head_dim: int | None = None  # None -> head_dim // 2 with RoPE, 0 without
+    v_head_dim: int | None = None  # None -> head_dim
+    absorb: bool = False  # decode path over a cache: False expands the latent to K/V, True attends over it
+
+    def __post_init__(self):
+        for name in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "v_head_dim"):
+            v = getattr(self, name)
+            _check(
+                v is None or (isinstance(v, int) and v > 0),
+                f"model.mla.{name} must be a positive integer or None, got {v!r}",
+            )
+        r = self.qk_rope_head_dim
+        _check(r is None or (isinstance(r, int) and r >= 0), f"model.mla.qk_rope_head_dim must be >= 0, got {r!r}")
+
+
+# The model's sub-structures, by field name, and the flat keys they replaced (still accepted everywhere a key is:
+# ModelConfig(...), .replace(...), key=value overrides, and config.json files written before the change).
+SUBSECTIONS = {"rope_scaling": RopeScaling, "mla": MLAConfig}
+LEGACY_MODEL_KEYS = {
+    "rope_type": "rope_scaling.type",
+    "rope_factor": "rope_scaling.factor",
+    "rope_original_max_len": "rope_scaling.original_max_len",
+    "rope_low_freq_factor": "rope_scaling.low_freq_factor",
+    "rope_high_freq_factor": "rope_scaling.high_freq_factor",
+    "rope_beta_fast": "rope_scaling.beta_fast",
+    "rope_beta_slow": "rope_scaling.beta_slow",
+    "rope_attention_factor": "rope_scaling.attention_factor",
+    "rope_truncate": "rope_scaling.truncate",
+    "kv_lora_rank": "mla.kv_lora_rank",
+    "q_lora_rank": "mla.q_lora_rank",
+    "qk_nope_head_dim": "mla.qk_nope_head_dim",
+    "qk_rope_head_dim": "mla.qk_rope_head_dim",
+    "v_head_dim": "mla.v_head_dim",
+    "mla_absorb": "mla.absorb",
+}
+
+
+def _subsection(name: str, value: Any):
+    """A sub-structure from its object or its dict (config.json), unknown keys an error naming the valid ones."""
+    cls = SUBSECTIONS[name]
+    if isinstance(value, cls):
+        return value
+    _check(isinstance(value, dict), f"model.{name} must be a {cls.__name__} or a dict, got {value!r}")
+    names = [f.name for f in dataclasses.fields(cls)]
+    bad = sorted(set(value) - set(names))
+    _check(
+        not bad,
+        f"unknown config key(s) {', '.join(f'model.{name}.{k}' for k in bad)}; valid keys: "
+        f"{', '.join(f'model.{name}.{k}' for k in names)}",
+    )
+    return cls(**value)
+
+
+def nest_model_keys(values: dict) -> dict:
+    """ModelConfig keyword arguments with the flat legacy names (`rope_factor`) and dotted paths
+    (`rope_scaling.factor`) folded into their sub-structures, on top of any sub-structure also given."""
+    out, subs = {}, {}
+    for key, v in values.items():
+        path = LEGACY_MODEL_KEYS.get(key, key)
+        if "." in path:
+            sub, field = path.split(".", 1)
+            _check(sub in SUBSECTIONS, f"unknown config key 'model.{key}'; model sections: {sorted(SUBSECTIONS)}")
+            subs.setdefault(sub, {})[field] = v
+        else:
+            out[key] = _subsection(key, v) if key in SUBSECTIONS else v
+    for sub, fields in subs.items():
+        base = _subsection(sub, out.get(sub, {}))
+        out[sub] = _subsection(sub, {**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, **fields})
+    return out
+
+
+# ---- attention backends: what each one computes -------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """What one `model.attention_impl` can compute: read by config validation (a named backend is refused for a
+    model it cannot run) and by the backend choice at run time (causal_lm/model/backends.py: `auto` skips it)."""
+
+    label: str  # how messages name it
+    masks: tuple  # the attention_mask values it takes
+    mla: bool  # runs MLA's own kernels
+    sink: bool  # per-head sink logits
+    softcap: bool  # score softcapping
+    fused: bool = False  # takes the mask as structure and serves a call's own tokens only (backends.py)
+    platforms: tuple = ("cpu", "gpu", "tpu")  # where JAX can run it
+    platform_note: str = ""  # the message's words for where it runs, when run elsewhere
+    compute_dtypes: tuple = DTYPES
+    head_dim_multiple: int = 1
+    max_head_dim: int = 0  # 0: any
+    multi_device: bool = True  # runs where the process sees several devices (partitioned over a mesh)
+
+
+ATTENTION_BACKENDS = {
+    "xla": Backend("the XLA kernels", MASKS, mla=True, sink=True, softcap=True),
+    "dot_product_attention": Backend(
+        "jax.nn.dot_product_attention", ("causal", "none"), mla=False, sink=False, softcap=False
+    ),
+    "cudnn": Backend(
+        "cuDNN's fused attention",
+        ("causal",),
+        mla=False,
+        sink=False,
+        softcap=False,
+        fused=True,
+        platforms=("gpu",),
+        platform_note="needs an NVIDIA GPU",
+        compute_dtypes=("bfloat16", "float16"),
+        head_dim_multiple=8,
+        max_head_dim=128,
+    ),
+    # On a CPU splash runs in Pallas interpret mode (exact, slow): what the tests run.
+    "splash": Backend(
+        "Pallas splash attention",
+        ("causal",),
+        mla=False,
+        sink=True,
+        softcap=True,
+        fused=True,
+        platforms=("cpu", "tpu"),
+        platform_note="is a TPU kernel (on a CPU it runs in interpret mode, for tests)",
+        multi_device=False,
+    ),
+}
+ATTENTION_IMPLS = ("auto", *ATTENTION_BACKENDS)
+
+
+def _backend_gap(m: ModelConfig, backend: str):
+    """(the model setting, why `backend` cannot compute it, the Backend field that says which can) or None."""
+    b = ATTENTION_BACKENDS[backend]
+    if m.attention_type == "mla" and not b.mla:
+        return "attention_type='mla'", f"{b.label} has no MLA kernels; MLA keeps its own", lambda x: x.mla
+    if m.attention_mask not in b.masks:
+        return (
+            f"attention_mask={m.attention_mask!r}",
+            f"{b.label} takes only {' / '.join(map(repr, b.masks))}",
+            lambda x: m.attention_mask in x.masks,
+        )
+    if m.attn_sink and not b.sink:
+        return "model.attn_sink", f"{b.label} has no sink logit", lambda x: x.sink
+    if m.attn_softcap and not b.softcap:
+        return "model.attn_softcap", f"{b.label} has no score softcapping", lambda x: x.softcap
+    return None
+
+
+def backend_unsupported(m: ModelConfig, backend: str) -> str | None:
+    """Why `backend` cannot compute this model's attention (a model setting, from ATTENTION_BACKENDS), or None."""
+    gap = _backend_gap(m, backend)
+    return None if gap is None else f"{gap[0]} ({gap[1]})"
+
+
+fused_backend_unsupported = backend_unsupported  # the name backends.py and older scripts import
+
+
+def check_backend(m: ModelConfig) -> None:
+    """A named attention_impl that cannot compute this model is refused, naming the ones that can ("auto" always
+    can: it falls back to the XLA kernels)."""
+    if m.attention_impl == "auto":
+        return
+    gap = _backend_gap(m, m.attention_impl)
+    if gap is None:
+        return
+    setting, why, supports = gap
+    able = [repr(n) for n in ("xla", "auto", *ATTENTION_BACKENDS) if n == "auto" or supports(ATTENTION_BACKENDS[n])]
+    able = list(dict.fromkeys(able))
+    raise ConfigError(
+        f"model.attention_impl={m.attention_impl!r} cannot run {setting} ({why}); {setting} needs attention_impl="
+        + ", ".join(able[:-1])
+        + " or "
+        + able[-1]
+    )
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Shape and variant of the decoder.
 
     num_kv_heads == num_heads is MHA, 1 is MQA, anything in between (dividing num_heads) is GQA.
 
-    Sizes left at None are derived at construction (num_kv_heads, head_dim, and MLA's qk_nope_head_dim,
-    qk_rope_head_dim, v_head_dim), so code reads one name per size. `config.replace(**changes)` derives them again
-    from the changed fields; `dataclasses.replace` would carry the old derived values over. Serialised configs
-    (`config_to_dict`) keep a derived size as None, so it is derived again when loaded.
+    Settings that belong to one variant live in a sub-structure of their own: `rope_scaling` (RopeScaling: its type
+    and that type's parameters) and `mla` (MLAConfig). Their old flat names (rope_factor, kv_lora_rank, ...; see
+    LEGACY_MODEL_KEYS) are still accepted as keyword arguments, overrides and config.json keys, and still read.
+
+    Sizes left at None are derived at construction (num_kv_heads, head_dim, and MLA's mla.qk_nope_head_dim,
+    mla.qk_rope_head_dim, mla.v_head_dim), so code reads one name per size. `config.replace(**changes)` derives
+    them again from the changed fields; `dataclasses.replace` would carry the old derived values over. Serialised
+    configs (`config_to_dict`) keep a derived size as None, so it is derived again when loaded.
     """
 
     vocab_size: int = 259
@@ -73,31 +331,13 @@ class ModelConfig:
     # XLA kernels. See causal_lm/model/backends.py.
     attention_impl: str = "auto"
     attention_type: str = "mha"  # "mha" covers MHA / GQA / MQA through num_kv_heads; "mla": latent attention
-    # MLA (DeepSeek-V2): K/V come from a kv_lora_rank latent; RoPE acts only on a separate qk_rope_head_dim part
-    # (one rope key shared by all heads). The cache holds latent + rope key per token. None -> derived (below).
-    kv_lora_rank: int | None = None  # required for "mla"
-    q_lora_rank: int | None = None  # None: queries projected directly from the model dim
-    qk_nope_head_dim: int | None = None  # None -> head_dim
-    qk_rope_head_dim: int | None = None  # None -> head_dim // 2 with RoPE, 0 without
-    v_head_dim: int | None = None  # None -> head_dim
-    mla_absorb: bool = False  # decode path over a cache: False expands the latent to K/V, True attends over it
+    # MLA (DeepSeek-V2) settings, used when attention_type="mla" (see MLAConfig); left at their defaults otherwise.
+    mla: MLAConfig = dataclasses.field(default_factory=lambda: MLAConfig())
     # Sliding window: a "local" layer's query at position p sees keys at positions p - sliding_window + 1 .. p.
     sliding_window: int = 0  # 0 = no window
     layer_pattern: str = ""  # comma-separated "local"/"global", cycled over layers; "" = all local if windowed
-    # RoPE frequency scaling, computed as transformers computes it (modeling_rope_utils): "linear" divides every
-    # frequency by rope_factor; "llama3" (Llama 3.1+) divides the low frequencies by rope_factor and blends the
-    # middle band between rope_low_freq_factor and rope_high_freq_factor of the rope_original_max_len context;
-    # "yarn" (Qwen, DeepSeek) ramps between interpolated and original frequencies from rope_beta_fast to
-    # rope_beta_slow rotations and multiplies cos and sin by rope_attention_factor.
-    rope_type: str = "default"  # "default" | "linear" | "llama3" | "yarn"
-    rope_factor: float = 1.0  # linear / llama3 / yarn: the context extension factor
-    rope_original_max_len: int = 0  # llama3 / yarn: the pretraining context (original_max_position_embeddings)
-    rope_low_freq_factor: float = 1.0  # llama3
-    rope_high_freq_factor: float = 4.0  # llama3
-    rope_beta_fast: float = 32.0  # yarn
-    rope_beta_slow: float = 1.0  # yarn
-    rope_attention_factor: float | None = None  # yarn: cos/sin multiplier; None -> 0.1 * ln(rope_factor) + 1
-    rope_truncate: bool = True  # yarn: round the correction range to whole dims
+    # RoPE frequency scaling (linear, llama3, yarn) and its type's own settings, see RopeScaling.
+    rope_scaling: RopeScaling = dataclasses.field(default_factory=lambda: RopeScaling())
     rope_local_theta: float | None = None  # local (sliding-window) layers' own plain-RoPE theta (Gemma 3)
     rope_pattern: str = ""  # comma-separated "rope"/"nope", cycled over layers: NoPE layers in a RoPE model
     qk_norm: bool = False  # RMSNorm over each head's q and k before RoPE (Qwen3, Gemma 3)
@@ -184,26 +424,10 @@ class ModelConfig:
                 abs(self.rope_dim - self.head_dim * self.rope_fraction) < 1e-9,
                 f"model.rope_fraction={self.rope_fraction} of head_dim={self.head_dim} is not a whole number of dims",
             )
-        if self.attention_impl in ("cudnn", "splash"):
-            self._check_fused_backend()
-        if self.attention_impl == "dot_product_attention":
-            _check(
-                not self.attn_sink,
-                "model.attn_sink needs attention_impl='xla' (jax.nn.dot_product_attention has no sink logit)",
-            )
-            _check(
-                self.attention_mask != "causal_after_softmax",
-                "attention_mask='causal_after_softmax' needs attention_impl='xla'",
-            )
+        check_backend(self)
         _check(self.norm_eps > 0, f"model.norm_eps must be positive, got {self.norm_eps}")
         _check(self.param_dtype in DTYPES, f"model.param_dtype must be one of {DTYPES}, got {self.param_dtype!r}")
         _check(self.dtype in DTYPES, f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
-
-    def _check_fused_backend(self):
-        """Settings a fused kernel cannot express are refused when it is named (`auto` falls back instead)."""
-        from_ = f"model.attention_impl={self.attention_impl!r}"
-        reason = fused_backend_unsupported(self, self.attention_impl)
-        _check(reason is None, f"{from_} cannot run {reason}; use attention_impl='xla' (or 'auto', which falls back)")
 
     def _derive_sizes(self):
         """Fill in the sizes left at None (recording which, see the class docstring)."""
@@ -217,64 +441,80 @@ class ModelConfig:
         fill("num_kv_heads", self.num_heads)
         fill("head_dim", self.d_model // self.num_heads)
         if self.attention_type == "mla":
-            fill("qk_nope_head_dim", self.head_dim)
-            fill("qk_rope_head_dim", self.head_dim // 2 if self.position == "rope" else 0)
-            fill("v_head_dim", self.head_dim)
+            mla = {
+                "qk_nope_head_dim": self.head_dim,
+                "qk_rope_head_dim": self.head_dim // 2 if self.position == "rope" else 0,
+                "v_head_dim": self.head_dim,
+            }
+            fills = {k: v for k, v in mla.items() if getattr(self.mla, k) is None}
+            derived += [f"mla.{k}" for k in fills]
+            object.__setattr__(self, "mla", dataclasses.replace(self.mla, **fills))
         object.__setattr__(self, "_derived", tuple(derived))
 
     def replace(self, **changes) -> ModelConfig:
-        """A copy with `changes` applied, deriving again every size that was derived here and is not changed."""
+        """A copy with `changes` applied, deriving again every size that was derived here and is not changed.
+
+        A change may name a sub-structure's field by its path (`**{"mla.kv_lora_rank": 64}`) or by its old flat
+        name (`kv_lora_rank=64`): it is applied on top of the sub-structure, whose other fields are kept."""
         kept = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
         for name in self._derived:
-            kept[name] = None
-        kept.update(changes)
-        return ModelConfig(**kept)
+            if "." in name:
+                sub, field = name.split(".", 1)
+                kept[sub] = dataclasses.replace(kept[sub], **{field: None})
+            else:
+                kept[name] = None
+        return ModelConfig(**nest_model_keys({**kept, **changes}))
 
     def to_dict(self) -> dict:
-        """Every config key and its value, with derived sizes as None (they are derived again when loaded)."""
-        return {
-            f.name: (None if f.name in self._derived else getattr(self, f.name))
-            for f in dataclasses.fields(self)
-            if f.init
-        }
+        """Every config key and its value, with derived sizes as None (they are derived again when loaded); the
+        sub-structures (rope_scaling, mla) as dicts of their own."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        for sub in SUBSECTIONS:
+            out[sub] = dataclasses.asdict(out[sub])
+        for name in self._derived:
+            if "." in name:
+                sub, field = name.split(".", 1)
+                out[sub][field] = None
+            else:
+                out[name] = None
+        return out
+
+    def __getattr__(self, name):
+        """The old flat names of the sub-structures' fields still read (`config.kv_lora_rank`)."""
+        path = LEGACY_MODEL_KEYS.get(name)
+        if path is None or name.startswith("__"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        sub, field = path.split(".", 1)
+        return getattr(getattr(self, sub), field)
 
     def _check_mla(self):
-        mla_fields = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-        # (for other attention types these are never derived, so a value here was set by the user)
+        m = self.mla
+        # (for other attention types nothing is derived, so a value here was set by the user)
         if self.attention_type != "mla":
-            set_ = [f for f in mla_fields if getattr(self, f) is not None] + (["mla_absorb"] if self.mla_absorb else [])
+            set_ = [f"model.mla.{f.name}" for f in dataclasses.fields(m) if getattr(m, f.name) != f.default]
             _check(
                 not set_,
-                f"model.{', model.'.join(set_)} only apply to attention_type='mla' "
-                f"(this model uses {self.attention_type!r})",
+                f"{', '.join(set_)} only apply to attention_type='mla' (this model uses {self.attention_type!r})",
             )
             return
-        r = self.kv_lora_rank
+        r = m.kv_lora_rank
         _check(
             isinstance(r, int) and r > 0,
-            f"attention_type='mla' needs model.kv_lora_rank, a positive integer (the cached latent size), got {r!r}",
+            f"attention_type='mla' needs model.mla.kv_lora_rank, a positive integer (the cached latent size), "
+            f"got {r!r}",
         )
-        for name in ("q_lora_rank", "qk_nope_head_dim", "v_head_dim"):
-            v = getattr(self, name)
-            _check(
-                v is None or (isinstance(v, int) and v > 0),
-                f"model.{name} must be a positive integer or None, got {v!r}",
-            )
-        rr = self.qk_rope_head_dim
+        rr = m.qk_rope_head_dim
         if self.position == "rope":
+            _check(rr > 0, f"model.mla.qk_rope_head_dim must be positive with RoPE, got {rr!r}")
             _check(
-                rr is None or (isinstance(rr, int) and rr > 0),
-                f"model.qk_rope_head_dim must be positive with RoPE, got {rr!r}",
-            )
-            _check(
-                self.rope_dim % 2 == 0 and self.rope_dim > 0,
+                self.rope_dim % 2 == 0,
                 f"MLA's rope part must be a positive even number of dims, got {self.rope_dim} "
-                "(set model.qk_rope_head_dim)",
+                "(set model.mla.qk_rope_head_dim)",
             )
         else:
             _check(
-                rr in (None, 0),
-                f"model.qk_rope_head_dim={rr} needs position='rope' (this model uses {self.position!r})",
+                rr == 0,
+                f"model.mla.qk_rope_head_dim={rr} needs position='rope' (this model uses {self.position!r})",
             )
         _check(
             self.num_kv_heads == self.num_heads,
@@ -282,9 +522,9 @@ class ModelConfig:
             "leave model.num_kv_heads unset",
         )
         _check(
-            self.rope_fraction == 1.0, "MLA rotates exactly its qk_rope_head_dim dims; leave model.rope_fraction at 1.0"
+            self.rope_fraction == 1.0,
+            "MLA rotates exactly its mla.qk_rope_head_dim dims; leave model.rope_fraction at 1.0",
         )
-        _check(self.attention_impl in ("xla", "auto"), "attention_type='mla' needs attention_impl='xla' (or 'auto')")
         _check(not self.qkv_bias, "model.qkv_bias is not supported with attention_type='mla'")
 
     def _check_window(self):
@@ -307,57 +547,24 @@ class ModelConfig:
             _check(self.attention_mask == "causal", "model.sliding_window needs attention_mask='causal'")
 
     def _check_rope_variants(self):
-        t = self.rope_type
-        _check(
-            t != "dynamic",
-            "model.rope_type='dynamic' (dynamic NTK) is not implemented: transformers recomputes its frequencies "
-            "from the length of each call, so one model's RoPE would depend on how it is called",
-        )
-        _check(t in ROPE_TYPES, f"model.rope_type must be one of {ROPE_TYPES}, got {t!r}")
-        defaults = {f.name: f.default for f in dataclasses.fields(self) if f.init}
-        applies = {
-            "rope_factor": ("linear", "llama3", "yarn"),
-            "rope_original_max_len": ("llama3", "yarn"),
-            "rope_low_freq_factor": ("llama3",),
-            "rope_high_freq_factor": ("llama3",),
-            "rope_beta_fast": ("yarn",),
-            "rope_beta_slow": ("yarn",),
-            "rope_attention_factor": ("yarn",),
-            "rope_truncate": ("yarn",),
-        }
-        for name, types in applies.items():
-            _check(
-                getattr(self, name) == defaults[name] or t in types,
-                f"model.{name} only applies to rope_type {' / '.join(map(repr, types))} (this model uses {t!r})",
-            )
+        """RoPE settings against the rest of the model (RopeScaling checks its own fields)."""
+        t = self.rope_scaling.type
         per_layer = {"rope_local_theta": None, "rope_pattern": ""}
         if self.position != "rope":
-            for name, off in (("rope_type", "default"), *per_layer.items()):
+            _check(
+                t == "default",
+                f"model.rope_scaling.type={t!r} needs position='rope' (this model uses {self.position!r})",
+            )
+            for name, off in per_layer.items():
                 _check(
                     getattr(self, name) == off,
                     f"model.{name}={getattr(self, name)!r} needs position='rope' (this model uses {self.position!r})",
                 )
             return
         if self.attention_type == "mla":
-            for name, off in (("rope_type", "default"), *per_layer.items()):
+            _check(t == "default", "model.rope_scaling is not supported with attention_type='mla'")
+            for name, off in per_layer.items():
                 _check(getattr(self, name) == off, f"model.{name} is not supported with attention_type='mla'")
-        if t != "default":
-            _check(self.rope_factor > 0, f"model.rope_factor must be positive, got {self.rope_factor}")
-        if t in ("llama3", "yarn"):
-            m = self.rope_original_max_len
-            _check(
-                isinstance(m, int) and m > 0,
-                f"rope_type={t!r} needs model.rope_original_max_len, the pretraining context (a positive integer), "
-                f"got {m!r}",
-            )
-        if t == "llama3":
-            _check(
-                self.rope_high_freq_factor > self.rope_low_freq_factor > 0,
-                "rope_type='llama3' needs 0 < model.rope_low_freq_factor < model.rope_high_freq_factor, got "
-                f"{self.rope_low_freq_factor} and {self.rope_high_freq_factor}",
-            )
-        a = self.rope_attention_factor
-        _check(a is None or a > 0, f"model.rope_attention_factor must be positive or None, got {a}")
         lt = self.rope_local_theta
         if lt is not None:
             _check(lt > 0, f"model.rope_local_theta must be positive or None, got {lt}")
@@ -387,12 +594,6 @@ class ModelConfig:
         for name in ("attn_softcap", "final_softcap"):
             v = getattr(self, name)
             _check(v >= 0, f"model.{name} must be >= 0 (0 = off), got {v}")
-        if self.attn_softcap:
-            _check(
-                self.attention_impl in ("xla", "auto", "splash"),
-                f"model.attn_softcap needs attention_impl='xla', 'auto' or 'splash' ({self.attention_impl!r} has no "
-                "softcapping)",
-            )
         if self.attention_type == "mla":
             for name in ("qk_norm", "attn_scale", "attn_softcap", "norm_scale_plus_one"):
                 _check(
@@ -407,7 +608,7 @@ class ModelConfig:
         if self.position != "rope":
             return 0
         if self.attention_type == "mla":
-            return self.qk_rope_head_dim
+            return self.mla.qk_rope_head_dim
         return int(round(self.head_dim * self.rope_fraction))
 
     @property
@@ -431,7 +632,7 @@ class ModelConfig:
     @property
     def layer_ropes(self) -> tuple:
         """Per layer, the rotary embedding it applies (empty without RoPE):
-        "rope" (rope_theta, scaled by rope_type), "local" (rope_local_theta, plain: the local layers when it is
+        "rope" (rope_theta, scaled by rope_scaling), "local" (rope_local_theta, plain: the local layers when it is
         set) or "nope" (none: the NoPE layers of rope_pattern)."""
         if self.position != "rope":
             return ()
@@ -463,7 +664,7 @@ class ModelConfig:
         if bytes_per_element is None:
             bytes_per_element = _DTYPE_BYTES[self.dtype]
         if self.attention_type == "mla":
-            return (self.kv_lora_rank + self.rope_dim) * bytes_per_element
+            return (self.mla.kv_lora_rank + self.rope_dim) * bytes_per_element
         return self.num_kv_heads * 2 * self.head_dim * bytes_per_element
 
     def kv_bytes_per_token(self, bytes_per_element: int | None = None) -> int:
@@ -471,23 +672,19 @@ class ModelConfig:
         return self.num_layers * self.kv_layer_bytes_per_token(bytes_per_element)
 
 
+_dataclass_init = ModelConfig.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _model_config_init(self, *args, **kwargs):
+    # Old flat names (rope_factor=8, kv_lora_rank=32) and dicts of a sub-structure (config.json) are accepted.
+    _dataclass_init(self, *args, **nest_model_keys(kwargs))
+
+
+ModelConfig.__init__ = _model_config_init
+
+
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def fused_backend_unsupported(m: ModelConfig, backend: str) -> str | None:
-    """Why `backend` ("cudnn" or "splash") cannot compute this model's attention, or None if it can.
-
-    Both take the mask as structure (causal, a sliding window, segment ids), never as a dense array, so the research
-    masks are out, and MLA keeps its own kernels. Splash has sink logits and softcapping; cuDNN has neither."""
-    if m.attention_type == "mla":
-        return "attention_type='mla' (MLA keeps its own kernels)"
-    if m.attention_mask != "causal":
-        return f"attention_mask={m.attention_mask!r} (a fused kernel takes only the causal mask's structure)"
-    if backend == "cudnn" and m.attn_sink:
-        return "model.attn_sink (cuDNN's fused attention has no sink logit)"
-    if backend == "cudnn" and m.attn_softcap:
-        return "model.attn_softcap (cuDNN's fused attention has no score softcapping)"
-    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -652,11 +849,31 @@ def _sections(config: Any) -> dict[str, Any]:
     return {"": config}
 
 
+def _leaves(obj) -> dict[str, dataclasses.Field]:
+    """A section's keys and their fields, a sub-structure's as paths ("rope_scaling.factor")."""
+    out = {}
+    for f in _keys(obj):
+        if f.name in SUBSECTIONS and isinstance(obj, ModelConfig):
+            out.update({f"{f.name}.{g.name}": g for g in dataclasses.fields(SUBSECTIONS[f.name])})
+        else:
+            out[f.name] = f
+    return out
+
+
+def _resolve_key(obj, name: str) -> str | None:
+    """The key `name` names in a section (an old flat name gives its new path), or None."""
+    if name in _leaves(obj):
+        return name
+    if isinstance(obj, ModelConfig) and name in LEGACY_MODEL_KEYS:
+        return LEGACY_MODEL_KEYS[name]
+    return None
+
+
 def valid_keys(config: Any) -> list[str]:
     keys = []
     for sec, obj in _sections(config).items():
-        for f in _keys(obj):
-            keys.append(f"{sec}.{f.name}" if sec else f.name)
+        for name in _leaves(obj):
+            keys.append(f"{sec}.{name}" if sec else name)
     return keys
 
 
@@ -697,18 +914,18 @@ def apply_overrides(config: Any, overrides: Iterable[str]) -> Any:
             raise ConfigError(f"override {item!r} is not key=value")
         key, text = item.split("=", 1)
         key = key.strip()
-        if "." in key and isinstance(config, Config):
+        if "." in key and isinstance(config, Config) and key.split(".", 1)[0] in secs:
             sec, name = key.split(".", 1)
-            candidates = [sec] if sec in secs and name in {f.name for f in _keys(secs[sec])} else []
-        else:
+            candidates = [sec] if _resolve_key(secs[sec], name) else []
+        else:  # a bare key (or sub-structure path): the model section first
             sec, name = "", key
             order = sorted(secs, key=lambda s: s != "model")
-            candidates = [s for s in order if name in {f.name for f in _keys(secs[s])}][:1]
+            candidates = [s for s in order if _resolve_key(secs[s], name)][:1]
         if not candidates:
             raise ConfigError(f"unknown config key {key!r}; valid keys: {', '.join(valid_keys(config))}")
         sec = candidates[0]
-        field = {f.name: f for f in _keys(secs[sec])}[name]
-        changes[sec][name] = _convert(text.strip(), field.type, key)
+        path = _resolve_key(secs[sec], name)
+        changes[sec][path] = _convert(text.strip(), _leaves(secs[sec])[path].type, key)
     new = {s: _replace(obj, **changes[s]) if changes[s] else obj for s, obj in secs.items()}
     if isinstance(config, Config):
         return Config(**new)
@@ -744,7 +961,8 @@ def load_config(path: str | None = None, overrides: Iterable[str] = ()) -> Confi
 
 
 def _replace(obj, **changes):
-    """dataclasses.replace, through ModelConfig.replace where derived sizes must be derived again."""
+    """dataclasses.replace, through ModelConfig.replace where derived sizes must be derived again (and keys may be
+    sub-structure paths, "mla.kv_lora_rank")."""
     return obj.replace(**changes) if isinstance(obj, ModelConfig) else dataclasses.replace(obj, **changes)
 
 
@@ -771,7 +989,8 @@ def config_from_dict(d: dict) -> Config:
         cls = type(factory())
         values = dict(d.get(name, {}))
         names = {f.name for f in _keys(cls)}
-        bad = sorted(set(values) - names)
+        legacy = set(LEGACY_MODEL_KEYS) if cls is ModelConfig else set()  # configs written before the sub-structures
+        bad = sorted(set(values) - names - legacy)
         if bad:
             raise ConfigError(
                 f"unknown config key(s) {', '.join(f'{name}.{k}' for k in bad)}; valid keys: "

@@ -6,7 +6,7 @@ through a 1536-dim latent; per head 128 no-position + 64 rope dims for q/k, 128 
 not modelled (mlp_dim is its dense layer's size); only the attention shapes matter for `causal-lm kv-bytes`.
 """
 
-from causal_lm.config import Config, ModelConfig
+from causal_lm.config import Config, MLAConfig, ModelConfig
 
 
 def get_config() -> Config:
@@ -19,12 +19,14 @@ def get_config() -> Config:
             mlp_dim=12_288,
             max_seq_len=163_840,
             attention_type="mla",
-            kv_lora_rank=512,
-            q_lora_rank=1536,
-            qk_nope_head_dim=128,
-            qk_rope_head_dim=64,
-            v_head_dim=128,
-            mla_absorb=True,
+            mla=MLAConfig(
+                kv_lora_rank=512,
+                q_lora_rank=1536,
+                qk_nope_head_dim=128,
+                qk_rope_head_dim=64,
+                v_head_dim=128,
+                absorb=True,
+            ),
             param_dtype="bfloat16",
             dtype="bfloat16",
         )

@@ -4,7 +4,7 @@ Same MLA shapes as DeepSeek-V2 (512-dim latent + 64-dim rope key per layer) over
 61 x 576 x 2 B = 70,272 B per token at bf16. MoE not modelled; only the attention shapes matter here.
 """
 
-from causal_lm.config import Config, ModelConfig
+from causal_lm.config import Config, MLAConfig, ModelConfig
 
 
 def get_config() -> Config:
@@ -17,12 +17,14 @@ def get_config() -> Config:
             mlp_dim=18_432,
             max_seq_len=163_840,
             attention_type="mla",
-            kv_lora_rank=512,
-            q_lora_rank=1536,
-            qk_nope_head_dim=128,
-            qk_rope_head_dim=64,
-            v_head_dim=128,
-            mla_absorb=True,
+            mla=MLAConfig(
+                kv_lora_rank=512,
+                q_lora_rank=1536,
+                qk_nope_head_dim=128,
+                qk_rope_head_dim=64,
+                v_head_dim=128,
+                absorb=True,
+            ),
             param_dtype="bfloat16",
             dtype="bfloat16",
         )

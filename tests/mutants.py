@@ -350,7 +350,7 @@ MUTANTS = [
     ),
     dict(
         name="hf-o-proj-not-transposed",
-        file="causal_lm/interop/hf.py",
+        file="causal_lm/interop/hf_weights.py",
         old="lambda w, c: w.T.reshape(N, H, D),",
         new="lambda w, c: w.reshape(N, H, D),",
         tests=[K + "test_hf_layout_written_by_hand_loads_to_the_same_model"],
@@ -358,7 +358,7 @@ MUTANTS = [
     ),
     dict(
         name="hf-bias-layout",
-        file="causal_lm/interop/hf.py",
+        file="causal_lm/interop/hf_weights.py",
         old="lambda w, c, heads=heads: w.reshape(heads, H),",
         new="lambda w, c, heads=heads: w.reshape(H, heads).T,",
         tests=[K + "test_hf_layout_written_by_hand_loads_to_the_same_model"],
@@ -449,5 +449,17 @@ MUTANTS = [
         new="return bool(mallopt(M_TRIM_THRESHOLD, _TRIM_NEVER))",
         tests=["tests/test_launch_malloc.py::test_glibc_keeps_freed_memory_for_the_next_allocation"],
         why="large blocks still come from mmap, so freed temporaries go back to the kernel and are zero-filled again",
+    ),
+    dict(
+        name="backend-table-cudnn-claims-sinks",
+        file="causal_lm/config.py",
+        old="        mla=False,\n        sink=False,\n        softcap=False,\n        fused=True,",
+        new="        mla=False,\n        sink=True,\n        softcap=False,\n        fused=True,",
+        tests=[
+            "tests/test_kernels.py::test_auto_picks_the_fused_kernel_the_platform_and_call_allow",
+            M + "test_fused_backend_and_remat_config_errors",
+        ],
+        why="the attention backends' table claims cuDNN has sink logits: config validation accepts attn_sink with "
+        "attention_impl=cudnn and `auto` picks cuDNN for a model with sinks, which its kernel cannot run",
     ),
 ]

@@ -100,3 +100,34 @@ def test_training_starts_from_an_inference_checkpoint(tmp_path):
     record = train_and_evaluate(config, run)
     assert record["step"] == 2 and Checkpointer(run, read_only=True).all_steps() == [0, 2]
     assert read_metrics(run)[0]["loss"] == pytest.approx(float(loss_sum) / float(count), abs=1e-5)
+
+
+def test_a_workdir_written_with_the_flat_rope_and_mla_keys_still_loads(tmp_path, monkeypatch):
+    """Checkpoints written before model.rope_scaling / model.mla (their config with kv_lora_rank, rope_type, ...
+    at the top of the model section) load as the same config, with no model differences reported against it."""
+    import causal_lm.train.checkpoint as ck
+    from causal_lm.config import config_to_dict
+
+    mla = ["model.attention_type=mla", "model.num_kv_heads=none", "model.mla.kv_lora_rank=16"]
+    config = load_config("tiny", [*TINY, *mla])
+    old_names = {"kv_lora_rank": 16, "q_lora_rank": None, "qk_nope_head_dim": None, "qk_rope_head_dim": None}
+    old_names.update(v_head_dim=None, mla_absorb=False, rope_type="default", rope_factor=1.0, rope_truncate=True)
+
+    def flat_layout(c):
+        d = config_to_dict(c)
+        del d["model"]["rope_scaling"], d["model"]["mla"]
+        d["model"].update(old_names)
+        return d
+
+    model = _model(config, seed=2)
+    workdir = str(tmp_path / "old")
+    monkeypatch.setattr(ck, "config_to_dict", flat_layout)
+    save_for_inference(workdir, model, config, ByteTokenizer())
+    monkeypatch.undo()
+    meta = Checkpointer(workdir, read_only=True).read_meta(0)
+    assert meta["config"]["model"]["kv_lora_rank"] == 16 and "mla" not in meta["config"]["model"]
+    loaded, _, config2 = load_for_inference(workdir)
+    assert config2 == config and config2.model.mla.kv_lora_rank == 16
+    assert ck.check_model_config(meta, config, 0, workdir) == []
+    for a, b in zip(_params(loaded), _params(model), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -462,3 +462,77 @@ def test_remat_policies_give_the_gradients_of_no_remat():
         for g, want in zip(grads[remat], grads["none"], strict=True):
             np.testing.assert_allclose(np.asarray(g), np.asarray(want), atol=1e-6, rtol=0, err_msg=remat)
     assert temp["none"] > temp["minimal"] > temp["full"], temp
+
+
+def test_rope_scaling_and_mla_are_sub_structures_and_the_old_flat_names_still_work():
+    """Issue 28: RoPE scaling and MLA settings live in model.rope_scaling / model.mla. The old flat names keep
+    working as overrides, keyword arguments, replace() changes, attribute reads and config.json keys (workdirs
+    written before the change), and a wrong value given under an old name is refused naming the new key."""
+    from causal_lm.config import MLAConfig, RopeScaling, config_from_dict, config_to_dict
+
+    yarn = ["model.rope_scaling.type=yarn", "model.rope_scaling.factor=4", "model.rope_scaling.original_max_len=64"]
+    new = load_config("tiny", yarn)
+    old = load_config("tiny", ["model.rope_type=yarn", "rope_factor=4", "model.rope_original_max_len=64"])
+    assert old == new and new.model.rope_scaling == RopeScaling(type="yarn", factor=4.0, original_max_len=64)
+    assert ModelConfig(rope_type="linear", rope_factor=2.0) == ModelConfig(
+        rope_scaling=RopeScaling(type="linear", factor=2.0)
+    )
+    assert new.model.rope_factor == 4.0 and new.model.rope_type == "yarn"  # old reads
+    with pytest.raises(ConfigError, match=r"model.rope_scaling.factor only applies to rope_scaling.type"):
+        apply_overrides(load_config("tiny"), ["model.rope_factor=2"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'model.mla.kv_lora_rnk'; valid keys: .*model.mla.kv"):
+        apply_overrides(load_config("tiny"), ["model.mla.kv_lora_rnk=8"])
+
+    mla = ["model.attention_type=mla", "model.num_kv_heads=none", "model.mla.kv_lora_rank=16", "model.mla.absorb=true"]
+    c = load_config("tiny", mla)
+    assert c == load_config("tiny", [*mla[:2], "kv_lora_rank=16", "model.mla_absorb=true"])
+    assert c.model.mla == MLAConfig(16, None, 16, 8, 16, True)  # sizes derived from head_dim 16
+    assert c.model.kv_lora_rank == 16 and c.model.qk_rope_head_dim == 8
+    # A change to one MLA field keeps the others and derives the derived sizes again.
+    wider = c.model.replace(kv_lora_rank=32, d_model=128)
+    assert wider.mla == MLAConfig(32, None, 32, 16, 32, True)
+    assert c.model.replace(**{"mla.kv_lora_rank": 32}).mla.kv_lora_rank == 32
+    with pytest.raises(ConfigError, match=r"model.mla.kv_lora_rank only apply to attention_type='mla'"):
+        ModelConfig(kv_lora_rank=8)
+
+    # config.json round trip, and one written with the flat keys (an older workdir) reads as the same config.
+    d = config_to_dict(c)
+    assert d["model"]["mla"]["qk_nope_head_dim"] is None and config_from_dict(d) == c  # derived again on load
+    flat = config_to_dict(new)
+    flat["model"].update(rope_type="yarn", rope_factor=4.0, rope_original_max_len=64, kv_lora_rank=None)
+    del flat["model"]["rope_scaling"], flat["model"]["mla"]
+    assert config_from_dict(flat) == new
+    flat["model"]["rope_factr"] = 2.0
+    with pytest.raises(ConfigError, match="unknown config key"):
+        config_from_dict(flat)
+
+
+def test_one_backend_table_serves_config_validation_and_the_backend_choice():
+    """ATTENTION_BACKENDS is the one statement of what each attention_impl computes: config validation refuses a
+    named backend for a setting the table says it lacks, naming those that have it, and `auto` skips it."""
+    from causal_lm.config import ATTENTION_BACKENDS, ATTENTION_IMPLS
+    from causal_lm.model import backends
+
+    base = dict(vocab_size=61, d_model=32, num_layers=2, num_heads=4, mlp_dim=48, max_seq_len=64)
+    assert ATTENTION_IMPLS == ("auto", *ATTENTION_BACKENDS)
+    settings = {
+        "sink": dict(attn_sink=True),
+        "softcap": dict(attn_softcap=30.0),
+        "mla": dict(attention_type="mla", mla={"kv_lora_rank": 8}),
+    }
+    for impl, b in ATTENTION_BACKENDS.items():
+        for feature, kwargs in settings.items():
+            if getattr(b, feature):
+                ModelConfig(**base, **kwargs, attention_impl=impl)
+            else:
+                with pytest.raises(ConfigError, match=f"'{impl}' cannot run"):
+                    ModelConfig(**base, **kwargs, attention_impl=impl)
+        for mask in ("causal", "none", "causal_after_softmax"):
+            if mask in b.masks:
+                ModelConfig(**base, attention_mask=mask, attention_impl=impl)
+            else:
+                with pytest.raises(ConfigError, match=f"'{impl}' cannot run attention_mask='{mask}'"):
+                    ModelConfig(**base, attention_mask=mask, attention_impl=impl)
+    for feature in ("sink", "softcap"):
+        want = "cudnn" if ATTENTION_BACKENDS["cudnn"].__dict__[feature] else None
+        assert backends.resolve("auto", "gpu", "bfloat16", 64, **{feature: True}) == want

@@ -17,11 +17,11 @@ SMALL = dict(vocab_size=32, d_model=32, num_layers=2, num_heads=4, mlp_dim=32, m
 @pytest.mark.parametrize(
     "fields, match",
     [
-        (dict(rope_type="dynamic"), r"rope_type='dynamic'.*not implemented"),
-        (dict(rope_type="longrope"), r"rope_type must be one of"),
-        (dict(rope_type="llama3", rope_factor=8.0), r"needs model.rope_original_max_len"),
+        (dict(rope_type="dynamic"), r"rope_scaling.type='dynamic'.*not implemented"),
+        (dict(rope_type="longrope"), r"rope_scaling.type must be one of"),
+        (dict(rope_type="llama3", rope_factor=8.0), r"needs model.rope_scaling.original_max_len"),
         (dict(rope_type="yarn", rope_factor=4.0, rope_original_max_len=16, rope_low_freq_factor=2.0), r"llama3"),
-        (dict(rope_factor=2.0), r"model.rope_factor only applies to rope_type"),
+        (dict(rope_factor=2.0), r"model.rope_scaling.factor only applies to rope_scaling.type"),
         (dict(rope_local_theta=1e4), r"rope_local_theta.*local \(sliding-window\) layers, but this model has none"),
         (dict(rope_pattern="nope"), r"no 'rope' layer.*position='none'"),
         (dict(rope_pattern="rope,none"), r"rope_pattern entries"),

@@ -29,7 +29,7 @@ from causal_lm.bench.first_call import first_call_latency
 from causal_lm.bench.peer import build_peer, peer_forward, peer_mismatch, peer_runner
 from causal_lm.config import Config, ModelConfig
 from causal_lm.decode import generate
-from causal_lm.interop.hf import model_from_params
+from causal_lm.interop.hf_weights import model_from_params
 from causal_lm.model.kv_cache import CACHE_DTYPES, cache_bytes, init_cache
 from causal_lm.train import Note, load_for_inference
 from causal_lm.train.profile import profile_trace

@@ -24,7 +24,7 @@ import numpy as np
 from causal_lm import compile_cache
 from causal_lm.config import Config, config_from_dict, config_to_dict
 from causal_lm.decode import generate
-from causal_lm.interop.hf import model_from_params
+from causal_lm.interop.hf_weights import model_from_params
 from causal_lm.train.state import init_params
 
 

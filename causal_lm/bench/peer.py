@@ -10,7 +10,9 @@ import numpy as np
 
 from causal_lm.bench.common import time_steps
 from causal_lm.config import Config, ModelConfig
-from causal_lm.interop.hf import hf_config_from_model, hf_tensors_from_model, model_from_params
+from causal_lm.interop.hf_checkpoint import hf_tensors_from_model
+from causal_lm.interop.hf_config import hf_config_from_model
+from causal_lm.interop.hf_weights import model_from_params
 
 
 def peer_mismatch(m: ModelConfig) -> str | None:

@@ -17,7 +17,8 @@ from causal_lm.commands.common import parse_step
 from causal_lm.config import Config, DataConfig, TrainConfig
 from causal_lm.data.tokenizer import HFTokenizer
 from causal_lm.interop.gguf import ARCHITECTURES, load_gguf
-from causal_lm.interop.hf import HFFormatError, load_hf, read_hf_config, save_hf
+from causal_lm.interop.hf_checkpoint import load_hf, save_hf
+from causal_lm.interop.hf_config import HFFormatError, read_hf_config
 from causal_lm.train.checkpoint import load_for_inference, save_for_inference
 
 
@@ -61,7 +62,7 @@ def register(sub):
         choices=("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3"),
         default=None,
         help="with --to-hf: the architecture to write (default: the family whose features the model uses, "
-        "see causal_lm.interop.hf.default_architecture; plain models as llama)",
+        "see causal_lm.interop.hf_config.default_architecture; plain models as llama)",
     )
     p.add_argument("--step", default=None, help="with --to-hf: checkpoint step, 'latest' (default) or 'best'")
     p.set_defaults(func=run)

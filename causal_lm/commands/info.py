@@ -24,17 +24,18 @@ def architecture_notes(m) -> list[str]:
     """One phrase per architecture setting away from the plain Llama-style default (RoPE scaling, per-layer RoPE,
     windows, QK-norm, Gemma's norms, softcaps, ...), for `info` to print."""
     notes = []
-    if m.position == "rope" and m.rope_type != "default":
-        detail = f"factor {m.rope_factor:g}"
-        if m.rope_type in ("llama3", "yarn"):
-            detail += f", original context {m.rope_original_max_len}"
-        if m.rope_type == "llama3":
-            detail += f", low/high freq factors {m.rope_low_freq_factor:g}/{m.rope_high_freq_factor:g}"
-        if m.rope_type == "yarn":
-            a = yarn_attention_factor(m.rope_factor) if m.rope_attention_factor is None else m.rope_attention_factor
-            detail += f", beta fast/slow {m.rope_beta_fast:g}/{m.rope_beta_slow:g}, attention factor {a:.4g}"
+    r = m.rope_scaling
+    if m.position == "rope" and r.type != "default":
+        detail = f"factor {r.factor:g}"
+        if r.type in ("llama3", "yarn"):
+            detail += f", original context {r.original_max_len}"
+        if r.type == "llama3":
+            detail += f", low/high freq factors {r.low_freq_factor:g}/{r.high_freq_factor:g}"
+        if r.type == "yarn":
+            a = yarn_attention_factor(r.factor) if r.attention_factor is None else r.attention_factor
+            detail += f", beta fast/slow {r.beta_fast:g}/{r.beta_slow:g}, attention factor {a:.4g}"
         where = " on the global layers" if m.rope_local_theta is not None else ""
-        notes.append(f"RoPE scaling {m.rope_type} ({detail}){where}")
+        notes.append(f"RoPE scaling {r.type} ({detail}){where}")
     if m.rope_local_theta is not None:
         notes.append(f"local layers' RoPE theta {m.rope_local_theta:g} (global {m.rope_theta:g})")
     nope = [i for i, k in enumerate(m.layer_ropes) if k == "nope"]
@@ -84,7 +85,7 @@ def run(args) -> int:
     config = config_from_args(args)
     m = config.model
     attn = (
-        f"{m.attention_label}, {m.num_heads} heads, KV latent {m.kv_lora_rank} + rope key {m.rope_dim}"
+        f"{m.attention_label}, {m.num_heads} heads, KV latent {m.mla.kv_lora_rank} + rope key {m.rope_dim}"
         if m.attention_type == "mla"
         else f"{m.attention_label}, {m.num_heads} heads / {m.num_kv_heads} kv heads, head dim {m.head_dim}"
     )

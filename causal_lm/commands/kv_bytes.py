@@ -4,7 +4,7 @@ Pure shape arithmetic on the config (nothing is built or allocated, so 67B-scale
 the same layout `init_cache` uses (`causal_lm.model.kv_cache.cache_bytes`):
 
     MHA / GQA / MQA   per layer and token: 2 (K and V) x kv_heads x head_dim x bytes_per_element
-    MLA               per layer and token: (kv_lora_rank + qk_rope_head_dim) x bytes_per_element
+    MLA               per layer and token: (mla.kv_lora_rank + mla.qk_rope_head_dim) x bytes_per_element
     int8 / float8     plus a float32 scale per token and KV head (MLA: per token) for each stored array
     sliding window    a local layer keeps a ring of min(context, window + lookahead) slots, a global layer all
 
@@ -86,7 +86,7 @@ def kv_bytes(
         "exceeds_max_seq_len": context > model.max_seq_len,
     }
     if model.attention_type == "mla":
-        out.update(kv_lora_rank=model.kv_lora_rank, qk_rope_head_dim=model.rope_dim)
+        out.update(kv_lora_rank=model.mla.kv_lora_rank, qk_rope_head_dim=model.rope_dim)
     else:
         out.update(num_heads=model.num_heads, kv_heads=model.num_kv_heads, head_dim=model.head_dim)
     return out
@@ -103,7 +103,7 @@ def human_bytes(n: float) -> str:
 def describe(model: ModelConfig) -> str:
     if model.attention_type == "mla":
         return (
-            f"MLA, {model.num_layers} layers x (latent {model.kv_lora_rank} + rope key {model.rope_dim}) "
+            f"MLA, {model.num_layers} layers x (latent {model.mla.kv_lora_rank} + rope key {model.rope_dim}) "
             f"elements per token"
         )
     return (

@@ -3,7 +3,8 @@ templates."""
 
 from causal_lm.interop.chat import ChatTemplateError, apply_chat_template
 from causal_lm.interop.gguf import GGUFFormatError, load_gguf
-from causal_lm.interop.hf import HFFormatError, load_hf, save_hf
+from causal_lm.interop.hf_checkpoint import load_hf, save_hf
+from causal_lm.interop.hf_config import HFFormatError
 
 __all__ = [
     "ChatTemplateError",

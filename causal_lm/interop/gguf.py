@@ -22,7 +22,8 @@ Names and layouts, per layer i (numpy order: the row of an nn.Linear weight firs
     output_norm.weight       [D]           model.norm.weight
     output.weight            [V, D]        lm_head.weight (absent: tied to the embedding)
 
-so after renaming, the Hugging Face mapping of interop/hf.py applies unchanged.
+so after renaming, the Hugging Face parameter table of interop/hf_weights.py applies unchanged: the weights are
+read through its `read_params`, as a Hugging Face folder's are.
 
 **The Q/K permutation.** llama.cpp's `llama` architecture rotates interleaved pairs (dims 2j, 2j+1) where
 Hugging Face's Llama rotates halves (dims j, j + H/2). Its converter therefore permutes the rows of q_proj and
@@ -52,14 +53,15 @@ import numpy as np
 
 from causal_lm.data.tokenizer import HFTokenizer
 from causal_lm.interop.chat import end_of_turn_id
-from causal_lm.interop.hf import HFFormatError, _np_dtype, _param_table, model_config_from_hf, model_from_params
+from causal_lm.interop.hf_config import HFFormatError, model_config_from_hf
+from causal_lm.interop.hf_weights import model_from_params, read_params
 
 # general.architecture -> the Hugging Face architecture computing the same network
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 # Architectures whose converter permutes the rows of attn_q / attn_k (interleaved RoPE pairs in llama.cpp).
 _PERMUTED = {"llama"}
 
-# Hugging Face tensor name (interop/hf.py's table) -> GGUF tensor name
+# Hugging Face tensor name (interop/hf_weights.py's table) -> GGUF tensor name
 _HF_TO_GGUF = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -245,37 +247,36 @@ def dequantize_tensor(t) -> np.ndarray:
     return np.asarray(w, np.float32).reshape(shape)
 
 
+class _GGUFTensors:
+    """A GGUF file's tensors by Hugging Face name (hf_weights.TensorSource): dequantized, Q/K rows unpermuted."""
+
+    def __init__(self, reader, config, arch: str):
+        self.tensors = {t.name: t for t in reader.tensors}
+        self.config, self.arch = config, arch
+
+    def name(self, hf_name: str) -> str:
+        gname = _HF_TO_GGUF.get(hf_name)
+        if gname is None:
+            raise GGUFFormatError(f"no GGUF name for parameter {hf_name!r} (an architecture this loader does not map)")
+        return gname
+
+    def read(self, name: str, spec: tuple) -> np.ndarray:
+        expected = tuple(n for n, _ in spec)
+        if name not in self.tensors:
+            raise GGUFFormatError(f"the file has no tensor {name!r} (expected shape {list(expected)})")
+        w = dequantize_tensor(self.tensors[name])
+        if w.shape != expected:
+            raise GGUFFormatError(f"tensor {name!r} has shape {list(w.shape)}, expected {list(expected)}")
+        if self.arch in _PERMUTED and (".attn_q." in name or ".attn_k." in name):
+            w = unpermute_qk(w, self.config.num_heads if ".attn_q." in name else self.config.num_kv_heads)
+        return w
+
+
 def load_gguf_params(reader, config, arch: str) -> dict:
     """Our parameters (nested dict of numpy arrays in config.param_dtype), dequantized, unpermuted, checked."""
-
-    tensors = {t.name: t for t in reader.tensors}
-    pd = np.dtype(_np_dtype(config.param_dtype))
-    used = set()
-    params: dict = {}
-    for p in _param_table(config):
-        gname = _HF_TO_GGUF.get(p.hf)
-        if gname is None:
-            raise GGUFFormatError(f"no GGUF name for parameter {p.hf!r} (an architecture this loader does not map)")
-        spec = p.shape(config)
-        expected = tuple(n for n, _ in spec)
-        names = [gname.format(i=i) for i in range(config.num_layers)] if p.per_layer else [gname]
-        arrays = []
-        for name in names:
-            used.add(name)
-            if name not in tensors:
-                raise GGUFFormatError(f"the file has no tensor {name!r} (expected shape {list(expected)})")
-            w = dequantize_tensor(tensors[name])
-            if w.shape != expected:
-                raise GGUFFormatError(f"tensor {name!r} has shape {list(w.shape)}, expected {list(expected)}")
-            if arch in _PERMUTED and (".attn_q." in name or ".attn_k." in name):
-                w = unpermute_qk(w, config.num_heads if ".attn_q." in name else config.num_kv_heads)
-            arrays.append(np.ascontiguousarray(p.to_ours(w, config), dtype=pd))
-        value = np.stack(arrays) if p.per_layer else arrays[0]
-        d = params
-        for k in p.ours[:-1]:
-            d = d.setdefault(k, {})
-        d[p.ours[-1]] = value
-    extra = sorted(set(tensors) - used)
+    source = _GGUFTensors(reader, config, arch)
+    params, used = read_params(config, source)
+    extra = sorted(set(source.tensors) - used)
     if extra:
         shown = ", ".join(repr(n) for n in extra[:5]) + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
         raise GGUFFormatError(

@@ -18,8 +18,10 @@ run (as packing and padding make them). The decoder marks such masks (`Attention
 fused kernels serve attention over a call's own tokens: training, evaluation and the recompute path; a prefill into
 a cache and the decode steps keep the cache kernels.
 
-What each kernel cannot express is refused when it is named (config.fused_backend_unsupported and `resolve`) and
-avoided by `auto`: sink logits and softcapping in cuDNN (splash has both), float32 compute in cuDNN, MLA in both.
+What each kernel can compute is one table, config.ATTENTION_BACKENDS: config validation refuses a named backend for
+a model it cannot run (config.check_backend), and `resolve` here refuses it for a call it cannot run (platform,
+compute dtype, head size) while `auto` skips it: sink logits and softcapping in cuDNN (splash has both), float32
+compute in cuDNN, MLA in both.
 The platform is checked where the model first runs (and at train/generate start-up, `describe`), not when a config
 is parsed: a config written for a GPU job loads on a CPU host.
 """
@@ -31,10 +33,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from causal_lm.config import ConfigError, ModelConfig, fused_backend_unsupported
+from causal_lm.config import ATTENTION_BACKENDS, ConfigError, ModelConfig, backend_unsupported
 from causal_lm.model.mask import AttentionMask
 
-FUSED = ("cudnn", "splash")
+FUSED = tuple(name for name, b in ATTENTION_BACKENDS.items() if b.fused)
+AUTO = {"tpu": "splash", "gpu": "cudnn"}  # what `auto` tries on each platform (else the XLA kernels)
 
 
 def platform() -> str:
@@ -42,17 +45,25 @@ def platform() -> str:
     return {"cuda": "gpu", "rocm": "gpu", "gpu": "gpu", "tpu": "tpu"}.get(jax.default_backend(), "cpu")
 
 
-def cudnn_unsupported(dtype, head_dim: int, *, sink: bool = False, softcap: bool = False) -> str | None:
-    """Why cuDNN's fused attention cannot run this call, or None if it can."""
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return f"{jnp.dtype(dtype).name} compute (cuDNN's fused attention takes bfloat16 or float16)"
-    if head_dim % 8 or head_dim > 128:
-        return f"head_dim={head_dim} (cuDNN's fused attention needs a multiple of 8, at most 128)"
-    if sink:
+def call_unsupported(backend: str, dtype, head_dim: int, *, sink: bool = False, softcap: bool = False) -> str | None:
+    """Why `backend` cannot run this call (its compute dtype, head size, sink logits, softcapping; read from
+    config.ATTENTION_BACKENDS), or None if it can."""
+    b = ATTENTION_BACKENDS[backend]
+    name = jnp.dtype(dtype).name
+    if name not in b.compute_dtypes:
+        return f"{name} compute ({b.label} takes {' or '.join(b.compute_dtypes)})"
+    if head_dim % b.head_dim_multiple or (b.max_head_dim and head_dim > b.max_head_dim):
+        return f"head_dim={head_dim} ({b.label} needs a multiple of {b.head_dim_multiple}, at most {b.max_head_dim})"
+    if sink and not b.sink:
         return "sink logits"
-    if softcap:
+    if softcap and not b.softcap:
         return "score softcapping"
     return None
+
+
+def cudnn_unsupported(dtype, head_dim: int, *, sink: bool = False, softcap: bool = False) -> str | None:
+    """Why cuDNN's fused attention cannot run this call, or None if it can."""
+    return call_unsupported("cudnn", dtype, head_dim, sink=sink, softcap=softcap)
 
 
 def resolve(
@@ -63,36 +74,32 @@ def resolve(
 
     devices: how many devices the process sees. cuDNN's kernel carries XLA partitioning rules, so a sharded batch
     stays sharded; a Pallas call has none (it would need a shard_map over the training mesh, not written yet), so
-    splash is used only where one device runs the program."""
+    splash is used only where one device runs the program (`multi_device` in the table)."""
     if impl == "auto":
-        if plat == "tpu":
-            return "splash" if devices == 1 else None
-        if plat == "gpu" and cudnn_unsupported(dtype, head_dim, sink=sink, softcap=softcap) is None:
-            return "cudnn"
+        name = AUTO.get(plat)
+        if name is None:
+            return None
+        b = ATTENTION_BACKENDS[name]
+        if devices > 1 and not b.multi_device:
+            return None
+        return name if call_unsupported(name, dtype, head_dim, sink=sink, softcap=softcap) is None else None
+    if impl not in FUSED:
         return None
-    if impl == "cudnn":
-        if plat != "gpu":
-            raise ConfigError(
-                f"model.attention_impl='cudnn' needs an NVIDIA GPU, but JAX's backend here is {plat!r}; "
-                "use attention_impl=auto or xla"
-            )
-        why = cudnn_unsupported(dtype, head_dim, sink=sink, softcap=softcap)
-        if why:
-            raise ConfigError(f"model.attention_impl='cudnn' cannot run {why}; use attention_impl=auto or xla")
-        return "cudnn"
-    if impl == "splash":
-        if plat == "gpu":
-            raise ConfigError(
-                "model.attention_impl='splash' is a TPU kernel (on a CPU it runs in interpret mode, for tests); "
-                "on a GPU use attention_impl=cudnn or auto"
-            )
-        if devices > 1:
-            raise ConfigError(
-                f"model.attention_impl='splash' runs on one device, but this process sees {devices} (the kernel is "
-                "not partitioned over a mesh yet); use attention_impl=auto or xla"
-            )
-        return "splash"
-    return None
+    b = ATTENTION_BACKENDS[impl]
+    if plat not in b.platforms:
+        raise ConfigError(
+            f"model.attention_impl={impl!r} {b.platform_note}, but JAX's backend here is {plat!r}; "
+            "use attention_impl=auto or xla"
+        )
+    if devices > 1 and not b.multi_device:
+        raise ConfigError(
+            f"model.attention_impl={impl!r} runs on one device, but this process sees {devices} (the kernel is "
+            "not partitioned over a mesh yet); use attention_impl=auto or xla"
+        )
+    why = call_unsupported(impl, dtype, head_dim, sink=sink, softcap=softcap)
+    if why:
+        raise ConfigError(f"model.attention_impl={impl!r} cannot run {why}; use attention_impl=auto or xla")
+    return impl
 
 
 def describe(m: ModelConfig, plat: str | None = None, devices: int | None = None) -> str:
@@ -100,8 +107,8 @@ def describe(m: ModelConfig, plat: str | None = None, devices: int | None = None
     (default: this process's; raises ConfigError for a named backend that cannot run here, before any compute)."""
     plat = plat or platform()
     fused = None
-    auto_skips = m.attention_impl == "auto" and fused_backend_unsupported(m, "splash" if plat == "tpu" else "cudnn")
-    if m.attention_type != "mla" and not auto_skips:
+    target = AUTO.get(plat) if m.attention_impl == "auto" else m.attention_impl
+    if target in FUSED and backend_unsupported(m, target) is None:  # else `auto` skips it (a named one: refused)
         fused = resolve(
             m.attention_impl,
             plat,

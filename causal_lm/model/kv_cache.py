@@ -318,7 +318,7 @@ def require_causal(config: ModelConfig) -> None:
 def entry_shapes(config: ModelConfig) -> dict:
     """name -> shape of one token's entry in one layer: K and V [K, H], or MLA's latent [R] and rope key [Hr]."""
     if config.attention_type == "mla":
-        return {"latent": (config.kv_lora_rank,), "rope_key": (config.rope_dim,)}
+        return {"latent": (config.mla.kv_lora_rank,), "rope_key": (config.rope_dim,)}
     return {"k": (config.num_kv_heads, config.head_dim), "v": (config.num_kv_heads, config.head_dim)}
 
 

@@ -11,7 +11,7 @@ heads; both are cached, nothing else. Each head expands its key and value from t
 RoPE sits on the separate k_r: a rotation depends on the position, so if it were applied to the expanded key it
 could not be folded into the query (below), and the cache would have to hold per-head rotated keys again.
 
-Two ways to attend over a cache, chosen by `mla_absorb`, equal up to float rounding:
+Two ways to attend over a cache, chosen by `mla.absorb`, equal up to float rounding:
     expanded  expand every cached latent to K and V, then attend as MHA. Cheap when there are few keys.
     absorbed  reassociate the products: q_nope_n W_uk[n]^T is a query in latent space [R], so the scores are
               taken against the cached latents directly, the weighted sum of latents is formed, and W_uv[n]
@@ -45,15 +45,16 @@ class MLAttention(nnx.Module):
 
     def __init__(self, config: ModelConfig, rngs: nnx.Rngs):
         c = config
-        D, N, R = c.d_model, c.num_heads, c.kv_lora_rank
-        Hn, Hr, Hv = c.qk_nope_head_dim, c.rope_dim, c.v_head_dim
+        m = c.mla
+        D, N, R = c.d_model, c.num_heads, m.kv_lora_rank
+        Hn, Hr, Hv = m.qk_nope_head_dim, c.rope_dim, m.v_head_dim
         pd = jnp.dtype(c.param_dtype)
         std = c.init_std
         self.config = c
-        if c.q_lora_rank:
-            self.wq_a = normal_param(rngs, (D, c.q_lora_rank), std, pd)  # down to the query latent
-            self.q_norm = nnx.Param(jnp.ones((c.q_lora_rank,), pd))
-            self.wq_b = normal_param(rngs, (c.q_lora_rank, N, Hn + Hr), std, pd)
+        if m.q_lora_rank:
+            self.wq_a = normal_param(rngs, (D, m.q_lora_rank), std, pd)  # down to the query latent
+            self.q_norm = nnx.Param(jnp.ones((m.q_lora_rank,), pd))
+            self.wq_b = normal_param(rngs, (m.q_lora_rank, N, Hn + Hr), std, pd)
         else:
             self.wq = normal_param(rngs, (D, N, Hn + Hr), std, pd)
         self.wkv_a = normal_param(rngs, (D, R + Hr), std, pd)  # down to [latent | rope key]
@@ -70,12 +71,13 @@ class MLAttention(nnx.Module):
         """Queries split into their no-position part [B, T, N, Hn] and rotated RoPE part [B, T, N, Hr]."""
         c = self.config
         dt = jnp.dtype(c.dtype)
-        if c.q_lora_rank:
+        if c.mla.q_lora_rank:
             cq = rms_norm(jnp.einsum("btd,dq->btq", x, self.wq_a[...].astype(dt)), self.q_norm[...], c.norm_eps)
             q = checkpoint_name(jnp.einsum("btq,qnh->btnh", cq, self.wq_b[...].astype(dt)), "attn_q")
         else:
             q = checkpoint_name(jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(dt)), "attn_q")
-        q_nope, q_rope = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
+        Hn = c.mla.qk_nope_head_dim
+        q_nope, q_rope = q[..., :Hn], q[..., Hn:]
         if cos is not None:
             q_rope = apply_rope(q_rope, cos, sin)
         return q_nope, q_rope
@@ -85,8 +87,9 @@ class MLAttention(nnx.Module):
         c = self.config
         dt = jnp.dtype(c.dtype)
         ckv = checkpoint_name(jnp.einsum("btd,dr->btr", x, self.wkv_a[...].astype(dt)), "attn_kv_latent")
-        latent = rms_norm(ckv[..., : c.kv_lora_rank], self.kv_norm[...], c.norm_eps)
-        rope_key = ckv[..., c.kv_lora_rank :]
+        R = c.mla.kv_lora_rank
+        latent = rms_norm(ckv[..., :R], self.kv_norm[...], c.norm_eps)
+        rope_key = ckv[..., R:]
         if cos is not None:
             rope_key = apply_rope(rope_key[:, :, None, :], cos, sin)[:, :, 0, :]
         return latent, rope_key
@@ -103,10 +106,10 @@ class MLAttention(nnx.Module):
             latent, rope_key = kv["latent"], kv["rope_key"]  # [B, S, R], [B, S, Hr]
         mask = ctx.mask_for(layer)
         wk_b, wv_b = self.wk_b[...].astype(dt), self.wv_b[...].astype(dt)
-        scale = float(c.qk_nope_head_dim + c.rope_dim) ** -0.5
+        scale = float(c.mla.qk_nope_head_dim + c.rope_dim) ** -0.5
         sink = self.sink[...] if c.attn_sink else None
         B, T, N, _ = q_nope.shape
-        if c.mla_absorb and cache is not None:
+        if c.mla.absorb and cache is not None:
             # MQA over the latent: q_nope W_uk^T is a query in latent space; one shared key [latent | k_r] and
             # value (the latent) for all N heads; W_uv is applied once to the weighted sum of latents.
             q_latent = jnp.einsum("btnh,rnh->btnr", q_nope, wk_b)  # [B, T, N, R]

@@ -88,26 +88,16 @@ def inverse_frequencies(c: ModelConfig, kind: str = "rope") -> tuple[np.ndarray,
     dim = c.rope_dim
     if kind == "local":
         return _plain_inv_freq(dim, c.rope_local_theta), 1.0
-    t = c.rope_type
-    if t == "linear":
-        return (_plain_inv_freq(dim, c.rope_theta) / np.float32(c.rope_factor)).astype(np.float32), 1.0
-    if t == "llama3":
-        inv = _llama3_inv_freq(
-            dim, c.rope_theta, c.rope_factor, c.rope_low_freq_factor, c.rope_high_freq_factor, c.rope_original_max_len
-        )
+    r = c.rope_scaling
+    if r.type == "linear":
+        return (_plain_inv_freq(dim, c.rope_theta) / np.float32(r.factor)).astype(np.float32), 1.0
+    if r.type == "llama3":
+        inv = _llama3_inv_freq(dim, c.rope_theta, r.factor, r.low_freq_factor, r.high_freq_factor, r.original_max_len)
         return inv, 1.0
-    if t == "yarn":
-        inv = _yarn_inv_freq(
-            dim,
-            c.rope_theta,
-            c.rope_factor,
-            c.rope_original_max_len,
-            c.rope_beta_fast,
-            c.rope_beta_slow,
-            c.rope_truncate,
-        )
-        a = c.rope_attention_factor
-        return inv, yarn_attention_factor(c.rope_factor) if a is None else float(a)
+    if r.type == "yarn":
+        inv = _yarn_inv_freq(dim, c.rope_theta, r.factor, r.original_max_len, r.beta_fast, r.beta_slow, r.truncate)
+        a = r.attention_factor
+        return inv, yarn_attention_factor(r.factor) if a is None else float(a)
     return _plain_inv_freq(dim, c.rope_theta), 1.0
 
 
@@ -119,7 +109,7 @@ def layer_rope_tables(c: ModelConfig, positions) -> tuple[tuple, tuple]:
     for kind in kinds:
         if kind == "nope":
             tables.append(None)
-        elif kind == "rope" and c.rope_type == "default":  # plain RoPE, computed as it always was
+        elif kind == "rope" and c.rope_scaling.type == "default":  # plain RoPE, computed as it always was
             tables.append(rope_tables(positions, c.rope_dim, c.rope_theta))
         else:
             inv, factor = inverse_frequencies(c, kind)

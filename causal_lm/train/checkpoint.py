@@ -45,7 +45,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from causal_lm import parallel
-from causal_lm.config import Config, apply_overrides, config_from_dict, config_to_dict
+from causal_lm.config import Config, ConfigError, apply_overrides, config_from_dict, config_to_dict
 from causal_lm.data.tokenizer import tokenizer_from_dict
 from causal_lm.model import build_model
 from causal_lm.notes import note
@@ -107,7 +107,19 @@ def shape_mismatches(saved: dict, expected: dict) -> list[str]:
     return lines
 
 
+def _flat(d: dict, prefix: str = "") -> dict:
+    """{"mla": {"kv_lora_rank": 8}} -> {"mla.kv_lora_rank": 8}: sub-structures compared key by key."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
 def _config_diff(saved: dict, current: dict) -> list[str]:
+    saved, current = _flat(saved), _flat(current)
     return [
         f"{k}: {saved.get(k)!r} -> {current.get(k)!r}"
         for k in sorted(set(saved) | set(current))
@@ -453,7 +465,10 @@ def check_model_config(meta: dict, config: Config, step: int, directory: str) ->
     """Raise if the checkpoint's parameter shapes do not fit `config`'s model; return the model-config fields that
     differ without changing shapes (e.g. remat, dtype) for the caller to report."""
 
-    saved_model = meta["config"]["model"]
+    try:  # read through this version's config, so an older layout (flat rope_*/MLA keys) compares by meaning
+        saved_model = config_to_dict(config_from_dict(meta["config"]))["model"]
+    except (ConfigError, TypeError):
+        saved_model = meta["config"]["model"]
     current = config_to_dict(config)["model"]
     diff = _config_diff(saved_model, current)
     if not diff:

@@ -38,8 +38,8 @@ def forward_flops_per_token(model_config: ModelConfig, params, seq_len: int) -> 
         matmul += int(np.prod(shape))
     if c.tie_embeddings:
         matmul += c.d_model * c.vocab_size  # the LM head reuses the embedding as a matmul
-    qk_dim = c.qk_nope_head_dim + c.rope_dim if c.attention_type == "mla" else c.head_dim
-    v_dim = c.v_head_dim if c.attention_type == "mla" else c.head_dim
+    qk_dim = c.mla.qk_nope_head_dim + c.rope_dim if c.attention_type == "mla" else c.head_dim
+    v_dim = c.mla.v_head_dim if c.attention_type == "mla" else c.head_dim
     i = np.arange(seq_len)
     keys = 0.0  # attended keys per query, summed over layers
     for window in getattr(c, "layer_windows", (0,) * c.num_layers):
