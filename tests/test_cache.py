@@ -10,11 +10,10 @@ import pytest
 from flax import nnx
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from variants import VARIANT_IDS, VARIANTS, tiny_config, tiny_model
+from variants import VARIANT_IDS, VARIANTS, tiny_config, tiny_mla_config, tiny_model
 
 import causal_lm
 from causal_lm import CacheError, GenerateError, generate, init_cache
-from causal_lm.config import ModelConfig
 from causal_lm.decode.generate import bucket_length, compile_count
 from causal_lm.decode.sampling import sample
 from causal_lm.model import build_model
@@ -452,18 +451,7 @@ def _assert_same_cache(a, b):
     [
         tiny_config("gqa", "rope_full", True, True),
         tiny_config("mqa", "learned"),
-        ModelConfig(
-            vocab_size=61,
-            d_model=32,
-            num_layers=2,
-            num_heads=4,
-            mlp_dim=48,
-            max_seq_len=96,
-            attention_type="mla",
-            kv_lora_rank=12,
-            qk_rope_head_dim=4,
-            mla_absorb=True,
-        ),
+        tiny_mla_config(),
     ],
     ids=["gqa-gate-sink", "mqa-learned", "mla-absorbed"],
 )

@@ -13,10 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_cache import assert_cache_equals_recompute
-from variants import tiny_config, tiny_model
+from variants import tiny_config, tiny_mla_config, tiny_model
 
 from causal_lm import CacheError, generate, init_cache
-from causal_lm.config import ModelConfig
 from causal_lm.model.functional import forward
 from causal_lm.model.kv_cache import cache_bytes
 
@@ -37,22 +36,7 @@ def test_ring_cache_equals_recompute_over_ten_windows(window, kv, pattern):
 
 
 def test_ring_cache_with_mla_and_sinks():
-    config = ModelConfig(
-        vocab_size=61,
-        d_model=32,
-        num_layers=3,
-        num_heads=4,
-        mlp_dim=48,
-        max_seq_len=96,
-        init_std=0.2,
-        attention_type="mla",
-        kv_lora_rank=12,
-        qk_rope_head_dim=4,
-        mla_absorb=True,
-        attn_sink=True,
-        sliding_window=3,
-        layer_pattern="local,local,global",
-    )
+    config = tiny_mla_config(num_layers=3, attn_sink=True, sliding_window=3, layer_pattern="local,local,global")
     assert_cache_equals_recompute(tiny_model(config), new=30)
 
 

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from variants import tiny_mla_config
 
 from causal_lm.config import ConfigError, ModelConfig
 from causal_lm.decode import generate
@@ -38,14 +39,7 @@ def _config(**kw):
 CONFIGS = {
     "all-local-mqa-sink": _config(num_kv_heads=1, attn_sink=True),
     "local-global": _config(layer_pattern="local,global"),
-    "mla-local-global": _config(
-        layer_pattern="local,global",
-        num_kv_heads=None,
-        attention_type="mla",
-        kv_lora_rank=12,
-        qk_rope_head_dim=4,
-        mla_absorb=True,
-    ),
+    "mla-local-global": tiny_mla_config(layer_pattern="local,global", sliding_window=W),
 }
 PROMPTS = [[5, 9, 1, 33, 7, 2, 40, 11, 3, 17, 8], [12, 4, 50]]  # ragged, the first longer than the window
 NEW = 24

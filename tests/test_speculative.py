@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_cache import PROMPTS
-from variants import VARIANT_IDS, VARIANTS, tiny_config, tiny_model
+from variants import VARIANT_IDS, VARIANTS, tiny_config, tiny_mla_config, tiny_model
 
 from causal_lm import GenerateError, build_model, generate
 from causal_lm.config import ModelConfig
@@ -58,20 +58,7 @@ def test_greedy_speculation_equals_plain_decoding_over_the_grid(i):
     _assert_same_as_plain(tiny_model(tiny_config(*VARIANTS[i])), DRAFTS[i % 3])
 
 
-MLA = ModelConfig(
-    vocab_size=61,
-    d_model=32,
-    num_layers=2,
-    num_heads=4,
-    mlp_dim=48,
-    max_seq_len=96,
-    init_std=0.2,
-    attention_type="mla",
-    kv_lora_rank=12,
-    qk_rope_head_dim=4,
-    mla_absorb=True,
-    attn_sink=True,
-)
+MLA = tiny_mla_config(attn_sink=True)
 
 
 @pytest.mark.parametrize("kind", DRAFTS)

@@ -3,7 +3,7 @@
 import functools
 import itertools
 
-from causal_lm.config import ModelConfig
+from causal_lm.config import MLAConfig, ModelConfig
 
 HEADS = {"mha": 4, "gqa": 2, "mqa": 1}  # num_kv_heads with 4 query heads
 POSITIONS = {
@@ -43,6 +43,13 @@ def tiny_config(kv="gqa", pos="rope_full", gate=False, sink=False, **overrides) 
     )
     base.update(overrides)
     return ModelConfig(**base)
+
+
+@functools.cache
+def tiny_mla_config(**overrides) -> ModelConfig:
+    """The tiny shape with multi-head latent attention: a 12-rank latent, a 4-dim shared rope key, absorbed."""
+    mla = MLAConfig(kv_lora_rank=12, qk_rope_head_dim=4, absorb=True)
+    return tiny_config("mha", attention_type="mla", num_kv_heads=None, mla=mla, **overrides)
 
 
 @functools.cache
