@@ -4,6 +4,12 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# Hugging Face libraries never reach for the hub (the machines have no network; every reference model is built
+# here), and keep their progress bars and warnings out of the test output.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 # Compile time dominates this suite (hundreds of tiny programs), and XLA's CPU backend optimisations and fusion
 # emitters triple it while the tests check properties (equalities, exact zeros), not speed. Both sides of every
 # comparison, subprocesses included, compile with the same flags. CAUSAL_LM_TEST_OPTIMIZED=1 keeps the defaults.

@@ -19,13 +19,6 @@ unrolled (decode). Every sequence is longer than the windows. Weights are drawn 
 so every tensor matters and greedy decoding has no near-ties.
 """
 
-import os
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 

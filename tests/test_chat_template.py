@@ -6,10 +6,6 @@ apply_chat_template on the same tokenizer folder, the end-of-turn token as a sto
 import json
 import os
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-
 import pytest  # noqa: E402
 
 transformers = pytest.importorskip("transformers", reason="the interop extra is not installed")

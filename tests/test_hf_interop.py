@@ -10,11 +10,6 @@ import json
 import os
 import shutil
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
