@@ -31,6 +31,7 @@ _EXPORTS = {
     "causal_lm.interop.hf": ("HFFormatError", "load_hf", "save_hf"),
     "causal_lm.model": ("CacheError", "Decoder", "InputError", "KVCache", "build_model", "init_cache"),
     "causal_lm.model.functional": ("forward",),
+    "causal_lm.serve": ("Engine", "EngineError"),
     "causal_lm.train": (
         "CheckpointError",
         "NonFiniteLossError",

@@ -21,6 +21,7 @@ ALLOWED = {
     "model": {"config"},
     "data": {"config"},
     "decode": {"config", "model", "parallel"},
+    "serve": {"config", "model", "decode", "parallel"},
     "interop": {"config", "model", "data"},
     "train": {"config", "model", "data", "decode", "parallel", "interop"},
     "experiments": {"config", "model", "data", "decode", "parallel", "interop", "train"},
@@ -39,7 +40,7 @@ ALLOWED = {
     },
     "device_check": {"config", "model", "data", "decode", "parallel", "interop", "train", "bench", "compile_cache"},
     "cli": {"config", "commands", "compile_cache", "malloc"},
-    "__init__": {"config", "model", "data", "decode", "parallel", "interop", "train"},
+    "__init__": {"config", "model", "data", "decode", "parallel", "interop", "train", "serve"},
 }
 
 # Third-party packages a function may import locally, and why.

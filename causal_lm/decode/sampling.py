@@ -2,13 +2,17 @@
 
 The same functions serve the cached, the recompute and the speculative loops, so they differ only in what they
 compute, never in how a token is chosen. `filtered_logits` is the distribution every sampler draws from (the
-speculative acceptance test compares exactly these distributions for the target and the draft).
+speculative acceptance test compares exactly these distributions for the target and the draft). `SamplingParams`
+holds per-row settings as one frozen pytree (the serving engine's rows each carry their own).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def filtered_logits(logits, temperature, top_k, top_p):
@@ -66,3 +70,50 @@ def sample(logits, key, temperature, top_k, top_p):
         return jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
 
     return jax.lax.cond(temperature > 0, sampled, greedy, logits, key)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-row sampling settings as data (a frozen pytree: traced, so new values never recompile).
+
+    temperature [B] float32 (0: greedy), top_k [B] int32 (0: off), top_p [B] float32 (1: off), seed [B] uint32 and
+    stop [B, S] int32 (stop token ids, padded with -1). Row b's n-th token is drawn with the key
+    fold_in(key(seed[b]), n): what a row draws depends on its own seed and its own token count only, never on which
+    rows share its batch or where it sits in it.
+    """
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    seed: jax.Array
+    stop: jax.Array
+
+    @staticmethod
+    def make(temperature, top_k, top_p, seed, stop, stop_width: int = 8) -> SamplingParams:
+        """Host arrays from per-row lists (top_k None -> 0, top_p None -> 1, stop: a list of id lists)."""
+        B = len(temperature)
+        width = max([stop_width] + [len(s) for s in stop])
+        stops = np.full((B, width), -1, np.int32)
+        for b, s in enumerate(stop):
+            stops[b, : len(s)] = list(s)
+        return SamplingParams(
+            temperature=np.asarray(temperature, np.float32),
+            top_k=np.asarray([k or 0 for k in top_k], np.int32),
+            top_p=np.asarray([1.0 if p is None else p for p in top_p], np.float32),
+            seed=np.asarray(seed, np.uint32),
+            stop=stops,
+        )
+
+    def sample(self, logits, index):
+        """logits [B, V] float32, index [B] (each row's count of tokens drawn so far) -> token ids [B] int32."""
+
+        def one(logits, seed, n, temperature, top_k, top_p):
+            key = jax.random.fold_in(jax.random.key(seed), n)
+            return sample(logits[None], key, temperature, top_k, top_p)[0]
+
+        return jax.vmap(one)(logits, self.seed, index, self.temperature, self.top_k, self.top_p)
+
+    def stopped(self, tokens):
+        """tokens [B] -> [B] bool: the token is one of its row's stop ids."""
+        return jnp.any(tokens[:, None] == self.stop, axis=1)

@@ -1,0 +1,247 @@
+"""Paged KV storage: the cache's slots in pages of `page_size`, reached through a page table per row.
+
+A page is a run of `page_size` slots that carry their tokens' positions, exactly as the slots of `KVCache` do
+(kv_cache.py), so attention still builds its mask with the one mask function from the query positions and the
+positions of the slots it reads; nothing outside this module does page arithmetic.
+
+    PagePool         the device storage shared by every sequence, one pool per layer group (layers that share a
+                     mask: a sliding window or none):
+                         arrays     name -> [Lg, P, page_size, ...] (K/V at the KV-head count, or MLA's latent and
+                                    rope key), plus "<name>_scale" [Lg, P, page_size, (K)] for int8 / float8 storage
+                         positions  [P, page_size] int32, shared by the groups: the position of the token each slot
+                                    holds, -1 for an empty slot
+    PagedKVCache     one call's view: the pool, a page table [B, NP] (row b's j-th page holds its positions
+                     j*page_size .. (j+1)*page_size - 1; an entry equal to P means "no page") and the rows' lengths.
+                     It has the interface of `KVCache` the decoder uses (plan_write, key_positions, update, commit),
+                     so the model code runs on it unchanged.
+
+Each layer's call writes the new tokens through the page table (page = table[b, p // page_size], offset
+p % page_size) and reads the row's pages back as the [B, NP * page_size] slot view the attention kernels
+consume: slot s of that view holds position s, or -1 where the row has no page or the page's slot is empty.
+Local (sliding-window) layers keep every page like global ones; their mask hides what lies outside the window.
+
+Which pages a row owns, shares (a prompt prefix) or gives back is decided on the host by the engine
+(causal_lm/serve), in page counts (`pages_for`). A page handed to a new owner is named in `fresh` when the view is
+made: its slots' positions are reset to -1 first, so nothing its previous owner wrote is visible. Out-of-range page
+indices are never clamped here: writes to page P are dropped and reads of it return empty slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from causal_lm.config import ModelConfig
+from causal_lm.model.kv_cache import CACHE_DTYPES, CacheError, entry_shapes, quantize, require_causal
+
+
+def pages_for(tokens: int, page_size: int) -> int:
+    """Pages that hold `tokens` tokens: ceil(tokens / page_size)."""
+    return -(-int(tokens) // int(page_size))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PageGroup:
+    """The pages of the layers that share one mask (one sliding window, or none)."""
+
+    arrays: dict  # name -> [Lg, P, page_size, ...]
+    window: int = dataclasses.field(metadata=dict(static=True))  # 0 = global
+    layers: tuple = dataclasses.field(metadata=dict(static=True))  # the model layers stored here, in order
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagePool:
+    """Every layer's pages and the slots' positions (see the module docstring)."""
+
+    groups: tuple  # of PageGroup
+    positions: jax.Array  # [P, page_size] int32, -1 = empty
+    names: tuple = dataclasses.field(metadata=dict(static=True))  # ("k", "v") or ("latent", "rope_key")
+    storage: str = dataclasses.field(metadata=dict(static=True))  # one of CACHE_DTYPES
+
+    @property
+    def num_pages(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.positions.shape[1]
+
+    def view(self, table, lengths, fresh) -> PagedKVCache:
+        """The cache of one call: page table [B, NP], lengths [B]; `fresh` [F] pages (P = none) newly handed out,
+        whose slots are emptied before anything is written or read."""
+        positions = self.positions.at[fresh].set(-1, mode="drop")
+        return PagedKVCache(
+            pool=dataclasses.replace(self, positions=positions),
+            table=jnp.asarray(table, jnp.int32),
+            lengths=jnp.asarray(lengths, jnp.int32),
+        )
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedWrite:
+    """Where one call's tokens go (`PagedKVCache.plan_write`), computed once for all layers."""
+
+    query_positions: jax.Array  # [B, T] int32: each row's length + 0..T-1
+    valid: jax.Array  # [B, T] bool: real tokens (right padding is neither written nor counted)
+    page: jax.Array  # [B, T] int32: the page each token goes to (P: dropped)
+    offset: jax.Array  # [B, T] int32: its slot within the page
+    positions: jax.Array  # [P, page_size] int32: the pool's slot positions after the write
+    key_positions: jax.Array  # [B, NP * page_size] int32: what each row's slot view holds after the write
+    new_lengths: jax.Array  # [B] int32
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    """One call's view of the pool through a page table, with the interface of `KVCache` the decoder uses."""
+
+    pool: PagePool
+    table: jax.Array  # [B, NP] int32: row b's pages in position order; P = no page
+    lengths: jax.Array  # [B] int32: tokens already cached in each row
+
+    @property
+    def groups(self) -> tuple:
+        return self.pool.groups
+
+    @property
+    def names(self) -> tuple:
+        return self.pool.names
+
+    @property
+    def batch_size(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def num_layers(self) -> int:
+        return sum(len(g.layers) for g in self.pool.groups)
+
+    @property
+    def max_len(self) -> int:
+        """Tokens a row's page table reaches."""
+        return self.table.shape[1] * self.pool.page_size
+
+    bounded = True
+
+    def locate(self, layer):
+        """(group index, index within the group) of a model layer (traced only with a single group)."""
+        groups = self.pool.groups
+        if len(groups) == 1:
+            return 0, layer
+        if isinstance(layer, jax.core.Tracer):
+            raise ValueError("a paged cache with several layouts needs static layer indices")
+        for g, group in enumerate(groups):
+            if layer in group.layers:
+                return g, group.layers.index(layer)
+        raise ValueError(f"layer {layer} is not in this cache ({self.num_layers} layers)")
+
+    def plan_write(self, valid) -> PagedWrite:
+        """Where the new tokens [B, T] (valid: real, right-padded) go: position p of row b to page
+        table[b, p // page_size], slot p % page_size."""
+        B, T = valid.shape
+        valid = valid.astype(bool)
+        P, ps, NP = self.pool.num_pages, self.pool.page_size, self.table.shape[1]
+        pos = self.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
+        column = pos // ps
+        page = jnp.take_along_axis(self.table, jnp.clip(column, 0, NP - 1), axis=1)
+        page = jnp.where(valid & (column < NP), page, P)  # padding: written nowhere
+        offset = pos % ps
+        positions = self.pool.positions.at[page, offset].set(pos, mode="drop")
+        return PagedWrite(
+            query_positions=pos,
+            valid=valid,
+            page=page,
+            offset=offset,
+            positions=positions,
+            key_positions=self._gather(positions, fill=-1),
+            new_lengths=self.lengths + jnp.sum(valid, axis=1, dtype=jnp.int32),
+        )
+
+    def key_positions(self, group: int, plan: PagedWrite):
+        """Positions [B, NP * page_size] of the keys a layer attends over (-1: no page, or an empty slot)."""
+        return plan.key_positions
+
+    def update(self, layer, new: dict, plan: PagedWrite):
+        """Write layer `layer`'s new entries (name -> [B, T, ...]) into their pages and return (new cache, the
+        row's slot view name -> [B, NP * page_size, ...] in the new entries' dtype)."""
+        g, i = self.locate(layer)
+        group = self.pool.groups[g]
+        arrays = dict(group.arrays)
+        limit = CACHE_DTYPES[self.pool.storage]
+        keys = {}
+        for n in self.pool.names:
+            x = new[n]
+            if limit is not None:
+                x, scale = quantize(x, limit, arrays[n].dtype)
+                arrays[n + "_scale"] = arrays[n + "_scale"].at[i, plan.page, plan.offset].set(scale, mode="drop")
+            arrays[n] = arrays[n].at[i, plan.page, plan.offset].set(x.astype(arrays[n].dtype), mode="drop")
+            stored = self._gather(arrays[n][i], fill=0)
+            if limit is not None:
+                stored = stored.astype(jnp.float32) * self._gather(arrays[n + "_scale"][i], fill=0)[..., None]
+            keys[n] = stored.astype(new[n].dtype)
+        groups = list(self.pool.groups)
+        groups[g] = dataclasses.replace(group, arrays=arrays)
+        return dataclasses.replace(self, pool=dataclasses.replace(self.pool, groups=tuple(groups))), keys
+
+    def commit(self, plan: PagedWrite) -> PagedKVCache:
+        """The cache after the call: the pool's new slot positions and the rows' new lengths."""
+        return dataclasses.replace(
+            self, pool=dataclasses.replace(self.pool, positions=plan.positions), lengths=plan.new_lengths
+        )
+
+    def _gather(self, pages, fill):
+        """pages [P, page_size, ...] -> each row's slot view [B, NP * page_size, ...] (no page: `fill`)."""
+        B, NP = self.table.shape
+        rows = pages.at[self.table].get(mode="fill", fill_value=fill)  # [B, NP, page_size, ...]
+        return rows.reshape((B, NP * pages.shape[1]) + pages.shape[2:])
+
+
+def page_bytes(config: ModelConfig, page_size: int, dtype: str | None = None) -> int:
+    """Bytes one page takes in a pool: every layer's entries (and scales) for page_size tokens, plus the slots'
+    positions."""
+    storage = _storage(config, dtype)
+    element, scaled = jnp.dtype(storage).itemsize, CACHE_DTYPES[storage] is not None
+    per_token = 0
+    for shape in entry_shapes(config).values():
+        per_token += int(np.prod(shape)) * element + (int(np.prod(shape[:-1])) * 4 if scaled else 0)
+    return page_size * (per_token * config.num_layers + 4)
+
+
+def _storage(config: ModelConfig, dtype) -> str:
+    storage = str(jnp.dtype(dtype or config.dtype)) if dtype != "float8_e4m3fn" else dtype
+    if storage not in CACHE_DTYPES:
+        raise CacheError(f"cache dtype must be one of {tuple(CACHE_DTYPES)}, got {dtype!r}")
+    return storage
+
+
+def init_pool(config: ModelConfig, num_pages: int, page_size: int, dtype: str | None = None) -> PagePool:
+    """An empty pool of `num_pages` pages of `page_size` slots for every layer of `config`."""
+    require_causal(config)
+    for name, v in (("num_pages", num_pages), ("page_size", page_size)):
+        if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1:
+            raise CacheError(f"{name} must be a positive integer, got {v!r}")
+    storage = _storage(config, dtype)
+    store = jnp.dtype(storage)
+    scaled = CACHE_DTYPES[storage] is not None
+    by_window = {}
+    for layer, w in enumerate(config.layer_windows):
+        by_window.setdefault(w, []).append(layer)
+    groups = []
+    for window, layers in by_window.items():
+        arrays = {}
+        for name, entry in entry_shapes(config).items():
+            arrays[name] = jnp.zeros((len(layers), num_pages, page_size) + entry, store)
+            if scaled:
+                arrays[name + "_scale"] = jnp.ones((len(layers), num_pages, page_size) + entry[:-1], jnp.float32)
+        groups.append(PageGroup(arrays=arrays, window=window, layers=tuple(layers)))
+    return PagePool(
+        groups=tuple(groups),
+        positions=jnp.full((num_pages, page_size), -1, jnp.int32),
+        names=tuple(entry_shapes(config)),
+        storage=storage,
+    )

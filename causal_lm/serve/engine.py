@@ -1,0 +1,593 @@
+"""The serving engine: continuous batching over a paged KV cache, exact per request.
+
+    engine = Engine(model, max_seqs=8, page_size=16, num_pages=256, max_step_tokens=64)
+    rid = engine.submit([3, 14, 15], max_tokens=20, temperature=0.0, logprobs=5)
+    while engine.has_work():
+        for event in engine.step(): ...            # new tokens (with logprobs) and finish reasons
+    engine.run([dict(prompt_ids=[1, 2], max_tokens=8), ...])   # -> one RequestResult per request, in order
+
+Each `step()` is one jitted program over the running sequences: every decoding sequence feeds its last token, and
+sequences still reading their prompt feed a chunk of it, under a budget of `max_step_tokens` tokens (chunked
+prefill). The program runs the unchanged model over a `PagedKVCache` view (causal_lm/model/paged_cache.py) and
+samples each row with its own settings and key (`SamplingParams`). A request leaves the batch the step it
+finishes or is cancelled, and its pages go back at once.
+
+Exactness. A token's K/V under the causal mask depend on it and the tokens before it only, and each row's mask is
+built from its own slots' positions, so a request's greedy tokens are those of `generate` of its prompt alone
+(tests/test_engine.py checks it under churn: arrivals, cancellations, preemption, page sizes, every cache layout).
+Sampling draws the n-th token of a request with fold_in(key(seed), n): the same tokens alone or in a busy batch.
+
+Scheduler (host, each step):
+  1. running sequences, oldest first: each feeds min(uncomputed tokens, budget left, largest token bucket) tokens;
+     a sequence that needs a page when none is available (free, or cached and unreferenced) preempts the newest
+     running sequence (its pages are released; it returns to the front of the queue and later recomputes its
+     prompt and the tokens it already emitted, as prompt: nothing is sampled twice).
+  2. waiting requests, first come first served, while a row, budget and pages for their first chunk remain; a
+     prompt whose leading full pages are in the prefix cache holds those pages instead of computing them (at most
+     (len - 1) // page_size pages: the last token is always computed, its logits give the first new token).
+Compiled programs: one per (batch rows, step tokens) bucket, batch_buckets x token_buckets (powers of two up to
+max_seqs and max_step_tokens by default); a step pads its rows and its longest chunk up to the next bucket.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from causal_lm.decode.sampling import SamplingParams
+from causal_lm.model.paged_cache import PagePool, init_pool, page_bytes, pages_for
+from causal_lm.serve.pages import PageBook
+
+MAX_LOGPROBS = 20  # top alternatives a request may ask for per generated token
+
+_traces = 0  # engine step programs traced in this process
+
+
+class EngineError(ValueError):
+    """Bad arguments to the engine or to a request, raised before anything runs."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """What one step reports for a request: a new token (with its log-probability and, when asked, the top
+    alternatives as (id, logprob) pairs, most likely first), and/or that the request finished and why."""
+
+    request_id: int
+    token: int | None = None
+    logprob: float | None = None
+    top_logprobs: tuple | None = None
+    finish_reason: str | None = None  # "stop" (a stop id was emitted), "length" (max_tokens), "cancelled"
+
+
+@dataclasses.dataclass
+class RequestResult:
+    """A request's output. logprobs[i] is the log-probability of tokens[i] under the model (log_softmax of its float32
+    logits, before temperature, top-k and top-p); top_logprobs[i] its top alternatives when asked; prompt_logprobs
+    (when asked) one entry per prompt token, the first None (it has no context)."""
+
+    request_id: int
+    prompt: list
+    tokens: list
+    logprobs: list
+    top_logprobs: list
+    prompt_logprobs: list | None
+    finish_reason: str | None  # None while running or waiting
+
+
+@dataclasses.dataclass(eq=False)
+class _Sequence:
+    """A request's host state."""
+
+    rid: int
+    prompt: list
+    max_tokens: int
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    seed: int
+    stop: tuple
+    logprobs: int
+    want_prompt_logprobs: bool
+    tokens: list  # prompt + generated
+    generated: list = dataclasses.field(default_factory=list)
+    token_logprobs: list = dataclasses.field(default_factory=list)
+    top: list = dataclasses.field(default_factory=list)
+    prompt_lp: list = dataclasses.field(default_factory=lambda: [None])
+    pages: list = dataclasses.field(default_factory=list)  # the page table: page j holds positions j*ps ..
+    computed: int = 0  # tokens whose K/V are in the pages
+    keys: list = dataclasses.field(default_factory=list)  # prefix keys of pages 0 .. registered-1
+    finish_reason: str | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """One step's rows (right-padded to the bucket)."""
+
+    tokens: jax.Array  # [B, T] int32
+    n_valid: jax.Array  # [B] int32: real tokens of each row (0: a padding row)
+    lengths: jax.Array  # [B] int32: tokens already cached
+    table: jax.Array  # [B, NP] int32 page table (num_pages: none)
+    fresh: jax.Array  # [F] int32 pages handed to a new owner since the last step (num_pages: none)
+    targets: jax.Array  # [B, T] int32: the token after each fed token (-1: none), for prompt logprobs
+    index: jax.Array  # [B] int32: each row's count of tokens sampled so far (its key's fold_in)
+    sampling: SamplingParams
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    token: jax.Array  # [B] int32 sampled at each row's last fed token
+    logprob: jax.Array  # [B] float32 its log-probability
+    top_ids: jax.Array  # [B, k] int32, most likely first
+    top_logprobs: jax.Array  # [B, k] float32
+    target_logprobs: jax.Array  # [B, T] float32: log-probability of `targets` after each fed token
+    stopped: jax.Array  # [B] bool: the sampled token is one of the row's stop ids
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pool",))
+def _step_program(state, pool: PagePool, batch: StepBatch, *, graphdef):
+    """The model over one step's rows through the page tables, then each row's next token and log-probabilities."""
+    global _traces
+    _traces += 1
+    model = nnx.merge(graphdef, state)
+    B, T = batch.tokens.shape
+    cache = pool.view(batch.table, batch.lengths, batch.fresh)
+    segment = (jnp.arange(T, dtype=jnp.int32)[None, :] < batch.n_valid[:, None]).astype(jnp.int32)
+    logits, cache = model(batch.tokens, segment_ids=segment, cache=cache)  # [B, T, V] float32
+    logp_all = jax.nn.log_softmax(logits, axis=-1)
+    target = jnp.take_along_axis(logp_all, jnp.maximum(batch.targets, 0)[..., None], axis=-1)[..., 0]
+    last = jnp.clip(batch.n_valid - 1, 0, T - 1)
+    last_logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # [B, V]
+    logp = jnp.take_along_axis(logp_all, last[:, None, None], axis=1)[:, 0]
+    token = batch.sampling.sample(last_logits, batch.index)
+    top_logprobs, top_ids = jax.lax.top_k(logp, min(MAX_LOGPROBS, logp.shape[-1]))
+    out = StepOutput(
+        token=token,
+        logprob=jnp.take_along_axis(logp, token[:, None], axis=1)[:, 0],
+        top_ids=top_ids.astype(jnp.int32),
+        top_logprobs=top_logprobs,
+        target_logprobs=jnp.where(batch.targets >= 0, target, 0.0),
+        stopped=batch.sampling.stopped(token),
+    )
+    return cache.pool, out
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(size) -> int:
+    """'1GiB', '512MiB', '2GB', or an integer number of bytes -> bytes."""
+    if isinstance(size, int | np.integer) and not isinstance(size, bool):
+        return int(size)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(size))
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise EngineError(f"kv_memory must be a size such as '1GiB', '512MiB' or a number of bytes, got {size!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _powers_of_two(limit: int) -> tuple:
+    out, b = [], 1
+    while b < limit:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (limit,)
+
+
+def _positive_int(name, v, minimum=1):
+    if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < minimum:
+        raise EngineError(f"{name} must be an integer >= {minimum}, got {v!r}")
+    return int(v)
+
+
+class Engine:
+    """Continuous batching over a paged KV cache (see the module docstring).
+
+    max_seqs: rows running at once. page_size: slots per page. kv_memory ("1GiB", "512MiB", bytes) or num_pages:
+    the pool's size. max_step_tokens: tokens one step feeds (decode tokens plus prompt chunks; at least max_seqs,
+    so every running sequence advances each step). cache_dtype: the pages' storage type (float32, bfloat16,
+    float16, int8, float8_e4m3fn; default the model's compute dtype). batch_buckets / token_buckets: the compiled
+    programs' row counts and chunk lengths (default powers of two up to max_seqs and max_step_tokens).
+    prefix_cache: share the full pages of common prompt prefixes between requests.
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        max_seqs: int = 16,
+        page_size: int = 16,
+        kv_memory=None,
+        num_pages: int | None = None,
+        max_step_tokens: int | None = None,
+        cache_dtype: str | None = None,
+        batch_buckets=None,
+        token_buckets=None,
+        prefix_cache: bool = True,
+    ):
+        c = model.config
+        self.config = c
+        self.max_seqs = _positive_int("max_seqs", max_seqs)
+        self.page_size = _positive_int("page_size", page_size)
+        self.max_step_tokens = _positive_int("max_step_tokens", max_step_tokens or max(256, self.max_seqs))
+        if self.max_step_tokens < self.max_seqs:
+            raise EngineError(
+                f"max_step_tokens={self.max_step_tokens} < max_seqs={self.max_seqs}: every running sequence must be "
+                "able to feed its token in each step"
+            )
+        if kv_memory is not None and num_pages is not None:
+            raise EngineError("give kv_memory or num_pages, not both")
+        per_page = page_bytes(c, self.page_size, cache_dtype)
+        if num_pages is None:
+            num_pages = parse_bytes("1GiB" if kv_memory is None else kv_memory) // per_page
+            if num_pages < 1:
+                raise EngineError(f"kv_memory={kv_memory!r} holds no page of {per_page} bytes")
+        self.num_pages = _positive_int("num_pages", num_pages)
+        self.batch_buckets = self._buckets("batch_buckets", batch_buckets, self.max_seqs)
+        self.token_buckets = self._buckets("token_buckets", token_buckets, self.max_step_tokens)
+        self.max_chunk = self.token_buckets[-1]
+        self.prefix_cache = bool(prefix_cache)
+        self.table_width = pages_for(c.max_seq_len, self.page_size)  # pages a row's table reaches
+
+        self._graphdef, self._state = nnx.split(model)
+        self._pool = init_pool(c, self.num_pages, self.page_size, cache_dtype)
+        self.cache_dtype = self._pool.storage
+        self._book = PageBook(self.num_pages)
+        self._fresh = []  # pages handed to a new owner since the last step
+        self._requests = {}  # rid -> _Sequence
+        self._running = []  # admission order, oldest first
+        self._waiting = collections.deque()
+        self._events = []  # cancellations, reported by the next step
+        self._next_id = 0
+        self._counts = collections.Counter()
+        self._shapes = set()
+
+    def _buckets(self, name, given, limit):
+        if given is None:
+            return _powers_of_two(limit)
+        b = tuple(sorted({_positive_int(name, x) for x in given}))
+        if not b or b[-1] > limit:
+            raise EngineError(f"{name} must be non-empty, each at most {limit}, got {given!r}")
+        return b
+
+    # ---- requests -------------------------------------------------------------------------------------------
+    def submit(
+        self,
+        prompt_ids,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int = 0,
+        stop=(),
+        logprobs: int = 0,
+        prompt_logprobs: bool = False,
+    ) -> int:
+        """Queue a request; returns its id. Every argument is checked here, before any compute: a request that can
+        never fit (its prompt + max_tokens exceeds the model's max_seq_len or the whole page pool) is refused."""
+        c = self.config
+        prompt = self._check_ids("prompt_ids", prompt_ids)
+        if not prompt:
+            raise EngineError("prompt_ids is empty: generation needs at least one token to condition on")
+        max_tokens = _positive_int("max_tokens", max_tokens)
+        if len(prompt) + max_tokens > c.max_seq_len:
+            raise EngineError(
+                f"prompt length {len(prompt)} + max_tokens {max_tokens} = {len(prompt) + max_tokens} exceeds "
+                f"model.max_seq_len={c.max_seq_len}"
+            )
+        # the last token's K/V is never written: len + max_tokens - 1 tokens at most are cached
+        need = pages_for(len(prompt) + max_tokens - 1, self.page_size)
+        if need > self.num_pages:
+            raise EngineError(
+                f"request needs up to {need} pages of {self.page_size} tokens (prompt {len(prompt)} + max_tokens "
+                f"{max_tokens}) but the pool has {self.num_pages}: it could never run"
+            )
+        if isinstance(temperature, bool) or not isinstance(temperature, int | float | np.number):
+            raise EngineError(f"temperature must be a number >= 0, got {temperature!r}")
+        if not math.isfinite(temperature) or temperature < 0:
+            raise EngineError(f"temperature must be a finite number >= 0, got {temperature}")
+        if top_k is not None:
+            _positive_int("top_k", top_k)
+        if top_p is not None and (
+            isinstance(top_p, bool)
+            or not isinstance(top_p, int | float | np.number)
+            or not math.isfinite(top_p)
+            or not 0.0 < top_p <= 1.0
+        ):
+            raise EngineError(f"top_p must be a number in (0, 1] or None, got {top_p!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or not 0 <= seed < 2**32:
+            raise EngineError(f"seed must be an integer in [0, 2**32), got {seed!r}")
+        stop = tuple(self._check_ids("stop", stop))
+        if isinstance(logprobs, bool) or not isinstance(logprobs, int | np.integer) or not 0 <= logprobs <= 20:
+            raise EngineError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {logprobs!r}")
+        rid = self._next_id
+        self._next_id += 1
+        seq = _Sequence(
+            rid=rid,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=float(temperature),
+            top_k=None if top_k is None else int(top_k),
+            top_p=None if top_p is None else float(top_p),
+            seed=int(seed),
+            stop=stop,
+            logprobs=min(int(logprobs), c.vocab_size),
+            want_prompt_logprobs=bool(prompt_logprobs),
+            tokens=list(prompt),
+        )
+        self._requests[rid] = seq
+        self._waiting.append(seq)
+        return rid
+
+    def _check_ids(self, name, ids) -> list:
+        if isinstance(ids, np.ndarray):
+            ids = ids.tolist()
+        if not isinstance(ids, list | tuple) or not all(
+            isinstance(t, int | np.integer) and not isinstance(t, bool) for t in ids
+        ):
+            raise EngineError(f"{name} must be a list of token ids, got {ids!r}")
+        V = self.config.vocab_size
+        bad = [int(t) for t in ids if not 0 <= t < V]
+        if bad:
+            raise EngineError(f"{name} has token id {bad[0]} outside the vocabulary [0, {V})")
+        return [int(t) for t in ids]
+
+    def cancel(self, request_id: int) -> bool:
+        """Stop a request now (its pages go back at once); the next step reports it. False if it had finished."""
+        seq = self._requests.get(request_id)
+        if seq is None:
+            raise EngineError(f"no request with id {request_id!r}")
+        if seq.finish_reason is not None:
+            return False
+        self._finish(seq, "cancelled")
+        self._events.append(Event(request_id, finish_reason="cancelled"))
+        return True
+
+    def result(self, request_id: int) -> RequestResult:
+        seq = self._requests.get(request_id)
+        if seq is None:
+            raise EngineError(f"no request with id {request_id!r}")
+        return RequestResult(
+            request_id=seq.rid,
+            prompt=list(seq.prompt),
+            tokens=list(seq.generated),
+            logprobs=list(seq.token_logprobs),
+            top_logprobs=list(seq.top),
+            prompt_logprobs=list(seq.prompt_lp) if seq.want_prompt_logprobs else None,
+            finish_reason=seq.finish_reason,
+        )
+
+    def has_work(self) -> bool:
+        return bool(self._running or self._waiting or self._events)
+
+    def run(self, requests, *, progress: bool = True) -> list:
+        """Submit every request (dicts of submit's arguments) and step until all finish; one RequestResult per
+        request, in order. A tqdm bar counts finished requests."""
+        ids = [self.submit(**r) for r in requests]
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="requests", unit="req")
+        try:
+            while self.has_work():
+                finished = sum(e.finish_reason is not None for e in self.step())
+                if bar is not None:
+                    bar.update(finished)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [self.result(i) for i in ids]
+
+    def stats(self) -> dict:
+        """Pages held, cached (unreferenced, kept for the prefix cache) and free; requests running and waiting;
+        prefix-cache hits; preemptions; K/V vectors computed (tokens fed, per layer and KV head); programs."""
+        book = self._book
+        return {
+            "pages_total": self.num_pages,
+            "pages_used": book.held,
+            "pages_cached": len(book.cached),
+            "pages_free": len(book.free),
+            "running": len(self._running),
+            "waiting": len(self._waiting),
+            "prefix_hit_pages": self._counts["prefix_hit_pages"],
+            "prefix_hit_tokens": self._counts["prefix_hit_tokens"],
+            "preemptions": self._counts["preemptions"],
+            "kv_computed": self._counts["kv_computed"],
+            "steps": self._counts["steps"],
+            "programs_compiled": self._counts["traces"],
+            "program_shapes": sorted(self._shapes),
+        }
+
+    def refcounts(self) -> np.ndarray:
+        """Each page's holder count (a copy)."""
+        return self._book.refcount.copy()
+
+    # ---- one step ------------------------------------------------------------------------------------------
+    def step(self) -> list:
+        """Run one engine step; returns its events (new tokens, finished and cancelled requests)."""
+        events, self._events = self._events, []
+        rows = self._schedule()
+        if not rows:
+            if self._waiting and not self._running:
+                raise RuntimeError("the scheduler could not admit a request into an empty engine")
+            return events
+        batch, shape = self._batch(rows)
+        self._shapes.add(shape)
+        before = _traces
+        self._pool, out = _step_program(self._state, self._pool, batch, graphdef=self._graphdef)
+        out = jax.device_get(out)
+        self._counts["traces"] += _traces - before
+        self._counts["steps"] += 1
+        for b, (seq, n) in enumerate(rows):
+            events.extend(self._advance(seq, n, b, out))
+        return events
+
+    def _schedule(self) -> list:
+        """[(sequence, tokens to feed)] for this step (see the module docstring)."""
+        budget, rows, scheduled = self.max_step_tokens, [], set()
+        # decoding sequences first (one token each), then those reading a prompt; each group oldest first
+        for seq in sorted(self._running, key=lambda s: len(s.tokens) - s.computed > 1):
+            if budget == 0:
+                break
+            if seq not in scheduled and seq in self._running:
+                n = min(len(seq.tokens) - seq.computed, budget, self.max_chunk)
+                if self._grow(seq, seq.computed + n, scheduled):
+                    rows.append((seq, n))
+                    scheduled.add(seq)
+                    budget -= n
+        while self._waiting and len(self._running) < self.max_seqs and budget > 0:
+            seq = self._waiting[0]
+            keys, hits = self._prefix_hits(seq)
+            start = len(hits) * self.page_size
+            n = min(len(seq.tokens) - start, budget, self.max_chunk)
+            new_pages = pages_for(start + n, self.page_size) - len(hits)
+            unreferenced_hits = sum(1 for p in hits if self._book.refcount[p] == 0)
+            if new_pages > self._book.available - unreferenced_hits:
+                break
+            self._waiting.popleft()
+            for p in hits:
+                self._book.hold(p)
+            seq.pages, seq.keys, seq.computed = list(hits), list(keys), start
+            self._allocate(seq, new_pages)
+            self._counts["prefix_hit_pages"] += len(hits)
+            self._counts["prefix_hit_tokens"] += start
+            self._running.append(seq)
+            rows.append((seq, n))
+            budget -= n
+        return rows
+
+    def _prefix_hits(self, seq) -> tuple:
+        """(keys, pages) of the sequence's leading full pages found in the prefix cache; never the page of its last
+        token, whose logits must be computed (and requests asking for prompt logprobs compute every token)."""
+        if not self.prefix_cache or seq.want_prompt_logprobs:
+            return [], []
+        ps, keys, pages, key = self.page_size, [], [], b""
+        for j in range((len(seq.tokens) - 1) // ps):
+            key = PageBook.chain(key, seq.tokens[j * ps : (j + 1) * ps])
+            page = self._book.lookup(key)
+            if page is None:
+                break
+            keys.append(key)
+            pages.append(page)
+        return keys, pages
+
+    def _grow(self, seq, tokens: int, scheduled) -> bool:
+        """Give `seq` the pages for `tokens` tokens, preempting the newest running sequence not yet scheduled in
+        this step while none are available. False if `seq` itself was preempted."""
+        need = pages_for(tokens, self.page_size) - len(seq.pages)
+        while need > self._book.available:
+            victim = next(s for s in reversed(self._running) if s not in scheduled)
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        self._allocate(seq, need)
+        return True
+
+    def _allocate(self, seq, n: int) -> None:
+        for _ in range(n):
+            page = self._book.allocate()
+            seq.pages.append(page)
+            self._fresh.append(page)
+
+    def _release(self, seq) -> None:
+        for page in seq.pages:
+            self._book.release(page)
+        seq.pages, seq.keys, seq.computed = [], [], 0
+
+    def _preempt(self, seq) -> None:
+        """Free a running sequence's pages; it waits at the front of the queue and recomputes later (its emitted
+        tokens are replayed as prompt, not sampled again)."""
+        self._release(seq)
+        self._running.remove(seq)
+        self._waiting.appendleft(seq)
+        self._counts["preemptions"] += 1
+
+    def _finish(self, seq, reason: str) -> None:
+        seq.finish_reason = reason
+        self._release(seq)
+        if seq in self._running:
+            self._running.remove(seq)
+        else:
+            self._waiting.remove(seq)
+
+    def _batch(self, rows) -> tuple:
+        """The step's StepBatch, padded to its (rows, tokens) bucket, and that bucket."""
+        B = next(b for b in self.batch_buckets if b >= len(rows))
+        T = next(t for t in self.token_buckets if t >= max(n for _, n in rows))
+        P, NP = self.num_pages, self.table_width
+        tokens = np.zeros((B, T), np.int32)
+        targets = np.full((B, T), -1, np.int32)
+        n_valid = np.zeros(B, np.int32)
+        lengths = np.zeros(B, np.int32)
+        table = np.full((B, NP), P, np.int32)
+        index = np.zeros(B, np.int32)
+        for b, (seq, n) in enumerate(rows):
+            fed = seq.tokens[seq.computed : seq.computed + n]
+            tokens[b, :n] = fed
+            nxt = seq.tokens[seq.computed + 1 : seq.computed + n + 1]
+            targets[b, : len(nxt)] = nxt
+            n_valid[b], lengths[b] = n, seq.computed
+            table[b, : len(seq.pages)] = seq.pages
+            index[b] = len(seq.generated)
+        F = B * (pages_for(T, self.page_size) + 1)  # the most pages one step can hand out
+        if len(self._fresh) > F:
+            raise RuntimeError(f"{len(self._fresh)} pages handed out in one step, more than {F}")
+        fresh = np.full(F, P, np.int32)
+        fresh[: len(self._fresh)] = self._fresh
+        self._fresh = []
+        pad = B - len(rows)
+        seqs = [s for s, _ in rows]
+        sampling = SamplingParams.make(
+            [s.temperature for s in seqs] + [0.0] * pad,
+            [s.top_k for s in seqs] + [None] * pad,
+            [s.top_p for s in seqs] + [None] * pad,
+            [s.seed for s in seqs] + [0] * pad,
+            [s.stop for s in seqs] + [()] * pad,
+        )
+        batch = StepBatch(tokens, n_valid, lengths, table, fresh, targets, index, sampling)
+        return batch, (B, T)
+
+    def _advance(self, seq, n: int, b: int, out: StepOutput) -> list:
+        """Book a row's step: its K/V are in its pages (full pages join the prefix cache), its prompt logprobs, and
+        the token sampled when the row fed its last uncomputed token."""
+        ps = self.page_size
+        if seq.want_prompt_logprobs:
+            for i in range(n):
+                t = seq.computed + i + 1  # the prompt token scored at this fed position
+                if t < len(seq.prompt) and t == len(seq.prompt_lp):
+                    seq.prompt_lp.append(float(out.target_logprobs[b, i]))
+        seq.computed += n
+        self._counts["kv_computed"] += n
+        while (len(seq.keys) + 1) * ps <= seq.computed:
+            j = len(seq.keys)
+            key = PageBook.chain(seq.keys[-1] if seq.keys else b"", seq.tokens[j * ps : (j + 1) * ps])
+            self._book.register(seq.pages[j], key)
+            seq.keys.append(key)
+        if seq.computed < len(seq.tokens):
+            return []  # still reading its prompt (or replaying after preemption)
+        token = int(out.token[b])
+        seq.generated.append(token)
+        seq.tokens.append(token)
+        seq.token_logprobs.append(float(out.logprob[b]))
+        top = None
+        if seq.logprobs:
+            k = seq.logprobs
+            top = tuple(zip(out.top_ids[b, :k].tolist(), out.top_logprobs[b, :k].tolist(), strict=True))
+            seq.top.append(top)
+        reason = None
+        if bool(out.stopped[b]):
+            reason = "stop"
+        elif len(seq.generated) >= seq.max_tokens:
+            reason = "length"
+        if reason is not None:
+            self._finish(seq, reason)
+        return [Event(seq.rid, token, seq.token_logprobs[-1], top, reason)]
