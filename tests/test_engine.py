@@ -9,12 +9,16 @@ Compile time dominates on a CPU: every engine here has one or two (rows, tokens)
 `generate` calls use prompts of one length bucket (17..32 tokens) and one max-new-tokens bucket.
 """
 
+import functools
+
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 from variants import tiny_config, tiny_mla_config, tiny_model
 
 from causal_lm import generate
-from causal_lm.serve import Engine
+from causal_lm.serve import Engine, EngineError
 
 STD = 0.5  # a random model whose greedy tokens vary (at 0.2 the tiny model repeats one token)
 MAX_NEW = 12  # every reference generation: max_tokens of a request is at most this
@@ -153,3 +157,196 @@ def test_exact_under_churn_int8():
     model = tiny_model(CONFIGS["gqa"])
     engine = small_engine(model, num_pages=40, cache_dtype="int8")
     assert_exact_under_churn(model, engine, seed=3, cache_dtype="int8")
+
+
+# ---- sampling ---------------------------------------------------------------------------------------------------
+SAMPLED = dict(temperature=0.9, top_k=30, top_p=0.95, seed=1234)
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch():
+    """A request's n-th token is drawn with its own seed's key: the same tokens alone and among other sampled and
+    greedy requests arriving around it (and a different seed draws other tokens, so the test can fail)."""
+    model = tiny_model(CONFIGS["gqa"])
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, V, 20).tolist()
+    alone = small_engine(model).run([dict(prompt_ids=prompt, max_tokens=12, **SAMPLED)], progress=False)[0]
+    engine = small_engine(model)
+    others = [
+        dict(prompt_ids=rng.integers(0, V, int(rng.integers(17, 33))).tolist(), max_tokens=8, temperature=t, seed=s)
+        for s, t in enumerate([1.0, 0.0, 0.7, 1.3, 0.0, 1.0, 0.5])
+    ]
+    busy = engine.run(others[:3] + [dict(prompt_ids=prompt, max_tokens=12, **SAMPLED)] + others[3:], progress=False)
+    assert busy[3].tokens == alone.tokens
+    other_seed = small_engine(model).run(
+        [dict(prompt_ids=prompt, max_tokens=12, **dict(SAMPLED, seed=99))], progress=False
+    )[0]
+    assert other_seed.tokens != alone.tokens
+
+
+# ---- logprobs ---------------------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _padded_logits(state, tokens, segment, *, graphdef):
+    return nnx.merge(graphdef, state)(tokens, segment_ids=segment)[0]
+
+
+def recomputed_logprobs(model, seq):
+    """log_softmax of one full forward pass over seq (right-padded to 48 tokens: one compile): [len(seq), V]."""
+    tokens = np.zeros((1, 48), np.int32)
+    tokens[0, : len(seq)] = seq
+    segment = (np.arange(48) < len(seq)).astype(np.int32)[None]
+    graphdef, state = nnx.split(model)
+    logits = _padded_logits(state, tokens, segment, graphdef=graphdef)
+    return np.asarray(jax.nn.log_softmax(logits, axis=-1))[0, : len(seq)]
+
+
+def test_logprobs_equal_full_recomputation():
+    """Each generated token's logprob and its top-20 alternatives, and each prompt token's logprob given its
+    prefix, equal log_softmax of a full forward pass's float32 logits (atol 1e-5); the alternatives are sorted,
+    the greedy token is the first of them; the first prompt token's entry is None (it has no context)."""
+    model = tiny_model(CONFIGS["gqa"])
+    rng = np.random.default_rng(6)
+    prompts = [[7], rng.integers(0, V, 19).tolist(), rng.integers(0, V, 30).tolist()]
+    requests = [dict(prompt_ids=p, max_tokens=10, logprobs=20, prompt_logprobs=True) for p in prompts]
+    requests.append(dict(prompt_ids=prompts[1], max_tokens=10, logprobs=3, temperature=1.0, seed=3))
+    results = small_engine(model).run(requests, progress=False)
+    for req, res in zip(requests, results, strict=True):
+        prompt, k = req["prompt_ids"], req["logprobs"]
+        ref = recomputed_logprobs(model, prompt + res.tokens)
+        for i, tok in enumerate(res.tokens):
+            row = ref[len(prompt) - 1 + i]
+            np.testing.assert_allclose(res.logprobs[i], row[tok], atol=1e-5, rtol=0)
+            ids, lps = zip(*res.top_logprobs[i], strict=True)
+            assert len(ids) == k and list(lps) == sorted(lps, reverse=True)
+            np.testing.assert_allclose(lps, np.sort(row)[::-1][:k], atol=1e-5, rtol=0)
+            np.testing.assert_allclose(row[list(ids)], lps, atol=1e-5, rtol=0)
+            if req.get("temperature", 0.0) == 0.0:
+                assert ids[0] == tok
+        if req.get("prompt_logprobs"):
+            assert len(res.prompt_logprobs) == len(prompt) and res.prompt_logprobs[0] is None
+            want = [ref[t - 1, prompt[t]] for t in range(1, len(prompt))]
+            np.testing.assert_allclose(res.prompt_logprobs[1:], want, atol=1e-5, rtol=0)
+        else:
+            assert res.prompt_logprobs is None
+
+
+# ---- the prefix cache -------------------------------------------------------------------------------------------
+def run_in_two_waves(engine, first, rest):
+    """The first request's prompt is computed (and its full pages registered) before the rest arrive; returns the
+    results and the most pages held at once."""
+    rid = engine.submit(**first)
+    peak = 0
+    while engine.result(rid).tokens == []:
+        engine.step()
+        peak = max(peak, engine.stats()["pages_used"])
+    ids = [rid] + [engine.submit(**r) for r in rest]
+    while engine.has_work():
+        engine.step()
+        peak = max(peak, engine.stats()["pages_used"])
+    return [engine.result(i).tokens for i in ids], peak
+
+
+def test_prefix_sharing_computes_less_and_changes_nothing():
+    """Prompts sharing a 24-token prefix (pages of 4): with the prefix cache the later requests hold the first
+    request's full pages instead of computing them: identical tokens, fewer K/V vectors computed, fewer pages.
+    One prompt repeats the first exactly (24 tokens, a whole number of pages): the page of its last token is still
+    computed, since its logits give the first new token."""
+    model = tiny_model(CONFIGS["gqa"])
+    rng = np.random.default_rng(7)
+    shared = rng.integers(0, V, 24).tolist()
+    first = dict(prompt_ids=shared, max_tokens=6)
+    rest = [dict(prompt_ids=shared + rng.integers(0, V, n).tolist(), max_tokens=6) for n in (1, 3, 5, 8)]
+    rest.append(dict(prompt_ids=list(shared), max_tokens=6))
+    runs = {}
+    for on in (True, False):
+        engine = small_engine(model, page_size=4, num_pages=90, prefix_cache=on)
+        runs[on] = run_in_two_waves(engine, first, rest), engine.stats()
+    ((tokens_on, peak_on), stats_on), ((tokens_off, peak_off), stats_off) = runs[True], runs[False]
+    assert tokens_on == tokens_off
+    for r, toks in zip([first] + rest, tokens_on, strict=True):
+        assert toks == generate(model, [r["prompt_ids"]], max_new_tokens=6).tokens[0]
+    # four requests share 6 pages (24 tokens), the exact repeat 5: 4 * 24 + 20 tokens not computed
+    assert stats_on["prefix_hit_tokens"] == 4 * 24 + 20
+    assert stats_off["kv_computed"] - stats_on["kv_computed"] == 4 * 24 + 20
+    assert stats_off["prefix_hit_pages"] == 0
+    assert peak_on < peak_off
+
+
+# ---- no leaks, bounded programs ---------------------------------------------------------------------------------
+def test_no_leak_after_a_thousand_requests_and_no_retrace_after_warmup():
+    """1,000 short requests with cancellations, repeated prompts and pages scarce enough to preempt: afterwards every
+    page is free or cached, every reference count is zero, and no program was traced after the first 100
+    requests (the step shapes stay within the buckets)."""
+    model = tiny_model(CONFIGS["gqa"])
+    engine = small_engine(model, num_pages=14, token_buckets=(1, 8))
+    rng = np.random.default_rng(8)
+    prompts = [rng.integers(0, V, int(rng.integers(1, 17))).tolist() for _ in range(60)]
+    traces_after_warmup, live = None, []
+    for i in range(1000):
+        live.append(engine.submit(prompts[int(rng.integers(0, 60))], max_tokens=int(rng.integers(1, 4))))
+        if rng.random() < 0.1:
+            engine.cancel(live[int(rng.integers(0, len(live)))])
+        if i % 3 == 2:
+            engine.step()
+        if i == 100:
+            traces_after_warmup = engine.stats()["programs_compiled"]
+    while engine.has_work():
+        engine.step()
+    stats = engine.stats()
+    assert_no_leak(engine)
+    assert stats["preemptions"] > 0 and stats["prefix_hit_pages"] > 0
+    assert sum(engine.result(r).finish_reason == "cancelled" for r in live) > 10
+    assert stats["programs_compiled"] == traces_after_warmup
+    assert set(stats["program_shapes"]) <= {(6, 1), (6, 8)}
+
+
+# ---- bad input ----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(prompt_ids=[]), "empty"),
+        (dict(prompt_ids=[1, V]), "outside the vocabulary"),
+        (dict(prompt_ids=[1, -1]), "outside the vocabulary"),
+        (dict(prompt_ids="abc"), "list of token ids"),
+        (dict(prompt_ids=[1] * 90, max_tokens=7), "max_seq_len"),
+        (dict(prompt_ids=[1] * 30, max_tokens=40), "could never run"),
+        (dict(prompt_ids=[1], max_tokens=0), "max_tokens"),
+        (dict(prompt_ids=[1], temperature=float("nan")), "temperature"),
+        (dict(prompt_ids=[1], top_k=0), "top_k"),
+        (dict(prompt_ids=[1], top_p=0.0), "top_p"),
+        (dict(prompt_ids=[1], seed=-1), "seed"),
+        (dict(prompt_ids=[1], stop=[V]), "stop"),
+        (dict(prompt_ids=[1], logprobs=21), "logprobs"),
+    ],
+)
+def test_bad_requests_are_refused_at_submit(kwargs, match):
+    """Each bad argument is a clear EngineError at submit, before any compute (JAX would clamp a bad id)."""
+    engine = Engine(tiny_model(CONFIGS["gqa"]), max_seqs=2, page_size=4, num_pages=16, max_step_tokens=8)
+    with pytest.raises(EngineError, match=match):
+        engine.submit(**kwargs)
+    assert engine.stats()["waiting"] == 0 and engine.stats()["steps"] == 0
+    with pytest.raises(EngineError, match="no request"):
+        engine.cancel(7)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_seqs=8, max_step_tokens=4), "max_step_tokens"),
+        (dict(kv_memory="1GiB", num_pages=8), "not both"),
+        (dict(kv_memory="lots", num_pages=None), "must be a size"),
+        (dict(kv_memory="10B", num_pages=None), "holds no page"),
+        (dict(page_size=0), "page_size"),
+        (dict(token_buckets=(1, 512)), "token_buckets"),
+        (dict(cache_dtype="int4"), "cache dtype"),
+    ],
+)
+def test_bad_engine_settings_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Engine(tiny_model(CONFIGS["gqa"]), **{**dict(max_seqs=2, max_step_tokens=8, num_pages=8), **kwargs})
+
+
+def test_kv_memory_sizes_the_pool():
+    """kv_memory in bytes units gives as many pages as fit (each page: every layer's K/V plus slot positions)."""
+    engine = Engine(tiny_model(CONFIGS["gqa"]), max_seqs=2, page_size=4, kv_memory="64KiB", max_step_tokens=8)
+    # 2 layers x (K + V: 2 heads x 8 dims) float32 = 256 bytes per token, + 4 for its position: 1040 per page
+    assert engine.num_pages == 65536 // 1040
