@@ -462,4 +462,84 @@ MUTANTS = [
         why="the attention backends' table claims cuDNN has sink logits: config validation accepts attn_sink with "
         "attention_impl=cudnn and `auto` picks cuDNN for a model with sinks, which its kernel cannot run",
     ),
+    # ---- the serving engine's pages (issue 29) -----------------------------------------------------------------
+    dict(
+        name="page-count-floor",
+        file="causal_lm/model/paged_cache.py",
+        old="return -(-int(tokens) // int(page_size))",
+        new="return int(tokens) // int(page_size)",
+        tests=["tests/test_engine.py::test_exact_under_churn_page_sizes[3]"],
+        why="pages for n tokens rounded down: a sequence crossing a page boundary has no page for its last tokens, "
+        "whose K/V writes are dropped",
+    ),
+    dict(
+        name="page-freed-while-referenced",
+        file="causal_lm/serve/pages.py",
+        old="self.refcount[page] -= 1",
+        new="self.refcount[page] = 0",
+        tests=["tests/test_engine.py::test_exact_under_churn_with_preemption"],
+        why="releasing a shared page drops every reference: a prefix page still read by another sequence is "
+        "evicted and overwritten by its next owner",
+    ),
+    dict(
+        name="prefix-shared-one-token-too-far",
+        file="causal_lm/serve/engine.py",
+        old="for j in range((len(seq.tokens) - 1) // ps):",
+        new="for j in range(len(seq.tokens) // ps):",
+        tests=["tests/test_engine.py::test_prefix_sharing_computes_less_and_changes_nothing"],
+        why="a prompt that is a whole number of cached pages shares its last token's page too: nothing computes "
+        "the logits its first new token is drawn from",
+    ),
+    dict(
+        name="reused-page-keeps-old-positions",
+        file="causal_lm/model/paged_cache.py",
+        old='positions = self.positions.at[fresh].set(-1, mode="drop")',
+        new="positions = self.positions",
+        tests=["tests/test_engine.py::test_exact_under_churn_page_sizes[3]"],
+        why="a page handed to a new sequence keeps its previous owner's slot positions: the mask shows the new "
+        "owner keys it never wrote",
+    ),
+    dict(
+        name="sampling-key-per-engine-step",
+        file="causal_lm/serve/engine.py",
+        old="index[b] = len(seq.generated)",
+        new='index[b] = self._counts["steps"]',
+        tests=["tests/test_engine.py::test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch"],
+        why="a request's key follows the engine's step count, not its own token count: its samples depend on "
+        "what else runs",
+    ),
+    dict(
+        name="prefix-hit-page-stays-evictable",
+        file="causal_lm/serve/pages.py",
+        old="            del self.cached[page]\n        self.refcount[page] += 1",
+        new="            pass\n        self.refcount[page] += 1",
+        tests=["tests/test_engine.py::test_exact_under_churn_with_preemption"],
+        why="a prefix-cache hit holds a page but leaves it on the evictable list: under pressure it is handed to "
+        "a new owner while still read (with the release guard disabled the churn test still sees wrong tokens)",
+    ),
+    dict(
+        name="int8-pages-read-without-scale",
+        file="causal_lm/model/paged_cache.py",
+        old='stored = stored.astype(jnp.float32) * self._gather(arrays[n + "_scale"][i], fill=0)[..., None]',
+        new="stored = stored.astype(jnp.float32)",
+        tests=["tests/test_engine.py::test_exact_under_churn_int8"],
+        why="int8 pages read back without their per-token scales",
+    ),
+    dict(
+        name="preemption-forgets-emitted-tokens",
+        file="causal_lm/serve/engine.py",
+        old="        self._release(seq)\n        self._running.remove(seq)\n        self._waiting.appendleft(seq)",
+        new="        self._release(seq)\n        seq.tokens = list(seq.prompt)\n        self._running.remove(seq)\n"
+        "        self._waiting.appendleft(seq)",
+        tests=["tests/test_engine.py::test_exact_under_churn_with_preemption"],
+        why="a preempted sequence recomputes its prompt only, not the tokens it already emitted, and emits them again",
+    ),
+    dict(
+        name="window-page-returned-too-early",
+        file="causal_lm/serve/engine.py",
+        old="first_needed = seq.computed - self.window + 1",
+        new="first_needed = seq.computed - self.window + 2",
+        tests=["tests/test_engine.py::test_window_model_returns_pages_outside_the_window"],
+        why="the page holding the oldest key still inside the window is given back one token too soon",
+    ),
 ]

@@ -152,6 +152,25 @@ def test_exact_under_churn_layouts(arch):
     assert_exact_under_churn(model, small_engine(model, num_pages=40), seed=2)
 
 
+def test_window_model_returns_pages_outside_the_window():
+    """When every layer is local (window 6), pages wholly before a row's window go back as it grows: sequences of
+    up to 44 tokens (15 pages of 3) run in a pool of 8 pages, a request never holds more than
+    floor((window + chunk - 2) / page_size) + 2 = 6 pages, and the tokens are still those of generate (whose
+    local layers keep ring buffers)."""
+    model = tiny_model(CONFIGS["window"])
+    engine = small_engine(model, num_pages=8)
+    rng = np.random.default_rng(9)
+    requests = [dict(prompt=rng.integers(0, V, 32).tolist(), max_tokens=12, stop=[]) for _ in range(4)]
+    ids = [engine.submit(r["prompt"], max_tokens=12) for r in requests]
+    while engine.has_work():
+        engine.step()
+        assert all(sum(p is not None for p in engine._requests[i].pages) <= 6 for i in ids)
+    for r, rid in zip(requests, ids, strict=True):
+        assert engine.result(rid).tokens == expected(model, r)[0]
+    assert engine.stats()["pages_out_of_window"] > 0
+    assert_no_leak(engine)
+
+
 def test_exact_under_churn_int8():
     """int8 pages with per-token scales: the engine equals generate(..., cache_dtype="int8")."""
     model = tiny_model(CONFIGS["gqa"])

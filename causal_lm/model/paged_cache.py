@@ -18,7 +18,8 @@ positions of the slots it reads; nothing outside this module does page arithmeti
 Each layer's call writes the new tokens through the page table (page = table[b, p // page_size], offset
 p % page_size) and reads the row's pages back as the [B, NP * page_size] slot view the attention kernels
 consume: slot s of that view holds position s, or -1 where the row has no page or the page's slot is empty.
-Local (sliding-window) layers keep every page like global ones; their mask hides what lies outside the window.
+Local (sliding-window) layers are paged like global ones and their mask hides what lies outside the window; when
+every layer is local the engine returns the pages wholly outside it (their table entries become "no page").
 
 Which pages a row owns, shares (a prompt prefix) or gives back is decided on the host by the engine
 (causal_lm/serve), in page counts (`pages_for`). A page handed to a new owner is named in `fresh` when the view is

@@ -236,6 +236,8 @@ class Engine:
         self.max_chunk = self.token_buckets[-1]
         self.prefix_cache = bool(prefix_cache)
         self.table_width = pages_for(c.max_seq_len, self.page_size)  # pages a row's table reaches
+        # When every layer is local, a page wholly before the widest window of a row's next query is returned.
+        self.window = max(c.layer_windows) if all(c.layer_windows) else 0
 
         self._graphdef, self._state = nnx.split(model)
         self._pool = init_pool(c, self.num_pages, self.page_size, cache_dtype)
@@ -285,6 +287,8 @@ class Engine:
             )
         # the last token's K/V is never written: len + max_tokens - 1 tokens at most are cached
         need = pages_for(len(prompt) + max_tokens - 1, self.page_size)
+        if self.window:  # the pages of the window before a step's first query and of its chunk, + a partial one
+            need = min(need, pages_for(self.window - 1 + self.max_chunk, self.page_size) + 1)
         if need > self.num_pages:
             raise EngineError(
                 f"request needs up to {need} pages of {self.page_size} tokens (prompt {len(prompt)} + max_tokens "
@@ -401,6 +405,7 @@ class Engine:
             "prefix_hit_pages": self._counts["prefix_hit_pages"],
             "prefix_hit_tokens": self._counts["prefix_hit_tokens"],
             "preemptions": self._counts["preemptions"],
+            "pages_out_of_window": self._counts["pages_out_of_window"],
             "kv_computed": self._counts["kv_computed"],
             "steps": self._counts["steps"],
             "programs_compiled": self._counts["traces"],
@@ -440,6 +445,7 @@ class Engine:
                 break
             if seq not in scheduled and seq in self._running:
                 n = min(len(seq.tokens) - seq.computed, budget, self.max_chunk)
+                self._return_out_of_window(seq)
                 if self._grow(seq, seq.computed + n, scheduled):
                     rows.append((seq, n))
                     scheduled.add(seq)
@@ -450,12 +456,16 @@ class Engine:
             start = len(hits) * self.page_size
             n = min(len(seq.tokens) - start, budget, self.max_chunk)
             new_pages = pages_for(start + n, self.page_size) - len(hits)
-            unreferenced_hits = sum(1 for p in hits if self._book.refcount[p] == 0)
+            if self.window:  # hit pages wholly before the window of its first query are not held at all
+                outside = max(0, start - self.window + 1) // self.page_size
+                hits = [None] * outside + hits[outside:]
+            unreferenced_hits = sum(1 for p in hits if p is not None and self._book.refcount[p] == 0)
             if new_pages > self._book.available - unreferenced_hits:
                 break
             self._waiting.popleft()
             for p in hits:
-                self._book.hold(p)
+                if p is not None:
+                    self._book.hold(p)
             seq.pages, seq.keys, seq.computed = list(hits), list(keys), start
             self._allocate(seq, new_pages)
             self._counts["prefix_hit_pages"] += len(hits)
@@ -492,6 +502,18 @@ class Engine:
         self._allocate(seq, need)
         return True
 
+    def _return_out_of_window(self, seq) -> None:
+        """Give back the pages wholly before the window of the row's next query (all layers local): their slots
+        are masked for every query to come. The table keeps the column (no page: its slots read as empty)."""
+        if not self.window:
+            return
+        first_needed = seq.computed - self.window + 1  # the oldest position the next query sees
+        for j in range(max(0, first_needed) // self.page_size):
+            if seq.pages[j] is not None:
+                self._book.release(seq.pages[j])
+                seq.pages[j] = None
+                self._counts["pages_out_of_window"] += 1
+
     def _allocate(self, seq, n: int) -> None:
         for _ in range(n):
             page = self._book.allocate()
@@ -500,7 +522,8 @@ class Engine:
 
     def _release(self, seq) -> None:
         for page in seq.pages:
-            self._book.release(page)
+            if page is not None:
+                self._book.release(page)
         seq.pages, seq.keys, seq.computed = [], [], 0
 
     def _preempt(self, seq) -> None:
@@ -536,7 +559,7 @@ class Engine:
             nxt = seq.tokens[seq.computed + 1 : seq.computed + n + 1]
             targets[b, : len(nxt)] = nxt
             n_valid[b], lengths[b] = n, seq.computed
-            table[b, : len(seq.pages)] = seq.pages
+            table[b, : len(seq.pages)] = [P if p is None else p for p in seq.pages]
             index[b] = len(seq.generated)
         F = B * (pages_for(T, self.page_size) + 1)  # the most pages one step can hand out
         if len(self._fresh) > F:
@@ -570,7 +593,8 @@ class Engine:
         while (len(seq.keys) + 1) * ps <= seq.computed:
             j = len(seq.keys)
             key = PageBook.chain(seq.keys[-1] if seq.keys else b"", seq.tokens[j * ps : (j + 1) * ps])
-            self._book.register(seq.pages[j], key)
+            if seq.pages[j] is not None:
+                self._book.register(seq.pages[j], key)
             seq.keys.append(key)
         if seq.computed < len(seq.tokens):
             return []  # still reading its prompt (or replaying after preemption)
