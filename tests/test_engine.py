@@ -18,6 +18,7 @@ from flax import nnx
 from variants import tiny_config, tiny_mla_config, tiny_model
 
 from causal_lm import generate
+from causal_lm.decode.sampling import SamplingParams, sample
 from causal_lm.serve import Engine, EngineError
 
 STD = 0.5  # a random model whose greedy tokens vary (at 0.2 the tiny model repeats one token)
@@ -180,6 +181,26 @@ def test_exact_under_churn_int8():
 
 # ---- sampling ---------------------------------------------------------------------------------------------------
 SAMPLED = dict(temperature=0.9, top_k=30, top_p=0.95, seed=1234)
+
+
+def test_sampling_params_apply_each_rows_own_settings():
+    """SamplingParams draws row b with row b's settings and key fold_in(key(seed[b]), index[b]): each row equals
+    the scalar `sample` of that row alone; greedy, top-k 1 and a tiny top-p rows give the argmax."""
+    logits = jax.random.normal(jax.random.key(0), (4, V)) * 3.0
+    params = SamplingParams.make(
+        [0.0, 2.0, 3.0, 2.0], [None, 1, None, None], [None, None, 0.9, 1e-6], [5, 6, 7, 8], [[1], [], [2, 3], []]
+    )
+    index = np.array([0, 3, 1, 9], np.int32)
+    got = np.asarray(jax.jit(lambda p, x, i: p.sample(x, i))(params, logits, index))
+    for b in range(4):
+        key = jax.random.fold_in(jax.random.key(int(params.seed[b])), int(index[b]))
+        args = (params.temperature[b], params.top_k[b], params.top_p[b])
+        assert got[b] == int(sample(logits[b : b + 1], key, *args)[0])
+    argmax = np.asarray(logits.argmax(-1))
+    assert got[0] == argmax[0] and got[1] == argmax[1] and got[3] == argmax[3]
+    draws = [int(params.sample(logits, np.full(4, n, np.int32))[2]) for n in range(20)]
+    assert len(set(draws)) > 1  # the hot row really samples
+    assert np.asarray(params.stopped(np.array([1, 1, 3, 0]))).tolist() == [True, False, True, False]
 
 
 def test_seeded_sampling_is_the_same_alone_and_in_a_busy_batch():

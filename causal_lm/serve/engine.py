@@ -25,8 +25,10 @@ Scheduler (host, each step):
   2. waiting requests, first come first served, while a row, budget and pages for their first chunk remain; a
      prompt whose leading full pages are in the prefix cache holds those pages instead of computing them (at most
      (len - 1) // page_size pages: the last token is always computed, its logits give the first new token).
-Compiled programs: one per (batch rows, step tokens) bucket, batch_buckets x token_buckets (powers of two up to
-max_seqs and max_step_tokens by default); a step pads its rows and its longest chunk up to the next bucket.
+Compiled programs: one per (batch rows, step tokens) bucket, at most len(batch_buckets) x len(token_buckets) (by
+default rows 1, 2, 4, ... max_seqs and tokens 1, 4, 16, ... max_step_tokens); a step pads its rows and its longest
+chunk up to the next bucket, so every row of a step with a prompt chunk costs as much as that chunk (the program is
+[rows, tokens], not a ragged batch). Decode-only steps run the one-token programs.
 """
 
 from __future__ import annotations
@@ -174,11 +176,12 @@ def parse_bytes(size) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def _powers_of_two(limit: int) -> tuple:
+def _powers(base: int, limit: int) -> tuple:
+    """1, base, base**2, ... below limit, then limit."""
     out, b = [], 1
     while b < limit:
         out.append(b)
-        b *= 2
+        b *= base
     return tuple(out) + (limit,)
 
 
@@ -195,7 +198,8 @@ class Engine:
     the pool's size. max_step_tokens: tokens one step feeds (decode tokens plus prompt chunks; at least max_seqs,
     so every running sequence advances each step). cache_dtype: the pages' storage type (float32, bfloat16,
     float16, int8, float8_e4m3fn; default the model's compute dtype). batch_buckets / token_buckets: the compiled
-    programs' row counts and chunk lengths (default powers of two up to max_seqs and max_step_tokens).
+    programs' row counts and chunk lengths (default: powers of two up to max_seqs; 1, 4, 16, ... up to
+    max_step_tokens).
     prefix_cache: share the full pages of common prompt prefixes between requests.
     """
 
@@ -231,8 +235,8 @@ class Engine:
             if num_pages < 1:
                 raise EngineError(f"kv_memory={kv_memory!r} holds no page of {per_page} bytes")
         self.num_pages = _positive_int("num_pages", num_pages)
-        self.batch_buckets = self._buckets("batch_buckets", batch_buckets, self.max_seqs)
-        self.token_buckets = self._buckets("token_buckets", token_buckets, self.max_step_tokens)
+        self.batch_buckets = self._buckets("batch_buckets", batch_buckets, _powers(2, self.max_seqs))
+        self.token_buckets = self._buckets("token_buckets", token_buckets, _powers(4, self.max_step_tokens))
         self.max_chunk = self.token_buckets[-1]
         self.prefix_cache = bool(prefix_cache)
         self.table_width = pages_for(c.max_seq_len, self.page_size)  # pages a row's table reaches
@@ -252,9 +256,10 @@ class Engine:
         self._counts = collections.Counter()
         self._shapes = set()
 
-    def _buckets(self, name, given, limit):
+    def _buckets(self, name, given, default):
+        limit = default[-1]
         if given is None:
-            return _powers_of_two(limit)
+            return default
         b = tuple(sorted({_positive_int(name, x) for x in given}))
         if not b or b[-1] > limit:
             raise EngineError(f"{name} must be non-empty, each at most {limit}, got {given!r}")
