@@ -294,6 +294,14 @@ MUTANTS = [
         why="a resumed run reads its data from the first batch again",
     ),
     dict(
+        name="hook-cadence-off-by-one",
+        file="causal_lm/train/hooks.py",
+        old="return self.every is not None and step % self.every == 0",
+        new="return self.every is not None and (step - 1) % self.every == 0",
+        tests=["tests/test_train.py::test_a_hook_runs_at_its_cadence_and_sees_the_step_s_metrics"],
+        why="a hook with every=N runs at steps 1, N+1, 2N+1, ... instead of N, 2N, ...",
+    ),
+    dict(
         name="resume-data-from-epoch-start",
         file="causal_lm/data/pipeline.py",
         old='self.epoch, self.index = int(state["epoch"]), int(state["index"])',
