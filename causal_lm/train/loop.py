@@ -1,10 +1,13 @@
 """`train_and_evaluate(config, workdir)`: the training loop, resumable from its own checkpoints.
 
+Three parts: restore-or-init (`_restore_or_init`), the step loop (`_step_loop`) and hooks (`causal_lm.train.hooks`).
 One jitted step with the train state donated; the host does not wait for the device inside the loop except at
-log steps (every `train.log_every`, and at eval and checkpoint steps). There it reads the interval's losses,
-checks the non-finite flag the step keeps on the device (so the halt names the exact step, and a non-finite
-state is never saved), evaluates and samples every `train.eval_every`, and saves every `train.checkpoint_every`
-and at the end.
+log steps (every `train.log_every`, the last step, and every step a hook is due: eval and checkpoint steps, and a
+user's `Hook(fn, every=N)` passed as `train_and_evaluate(..., hooks=[...])`). There it reads the interval's
+losses into the step's record and runs the hooks due, in order: the divergence check (the non-finite flag the
+step keeps on the device, so the halt names the exact step and a non-finite state is never saved), evaluation
+and a sample every `train.eval_every`, the user's hooks, the metrics write, and a save every
+`train.checkpoint_every` and at the end.
 
 Rerunning on a workdir that has checkpoints resumes from the latest intact one (checksums verified; damaged
 ones are skipped with a note): parameters, optimizer state, RNG and the data iterator's position are restored,
