@@ -309,7 +309,7 @@ MUTANTS = [
     ),
     dict(
         name="nan-at-the-bad-step-is-a-spike",
-        file="causal_lm/train/loop.py",
+        file="causal_lm/train/hooks.py",
         old="if bad_step and first + i >= bad_step:",
         new="if bad_step and first + i > bad_step:",
         tests=["tests/test_train.py::test_a_nan_loss_at_the_bad_step_is_the_non_finite_error_not_a_spike"],
@@ -330,6 +330,14 @@ MUTANTS = [
         new="if False:",
         tests=[K + "test_a_resumed_run_ends_bitwise_where_the_straight_run_did"],
         why="a resumed run reads its data from the first batch again",
+    ),
+    dict(
+        name="hook-cadence-off-by-one",
+        file="causal_lm/train/hooks.py",
+        old="return self.every is not None and step % self.every == 0",
+        new="return self.every is not None and (step - 1) % self.every == 0",
+        tests=["tests/test_train.py::test_a_hook_runs_at_its_cadence_and_sees_the_step_s_metrics"],
+        why="a hook with every=N runs at steps 1, N+1, 2N+1, ... instead of N, 2N, ...",
     ),
     dict(
         name="resume-data-from-epoch-start",

@@ -22,6 +22,7 @@ from causal_lm.train import (
     Checkpointer,
     CheckpointError,
     DivergenceError,
+    Hook,
     NonFiniteLossError,
     evaluate,
     load_for_inference,
@@ -358,3 +359,44 @@ def test_a_nan_loss_at_the_bad_step_is_the_non_finite_error_not_a_spike(tmp_path
     err = e.value
     assert type(err) is NonFiniteLossError and err.step == 3, str(err)
     assert "diverged: non-finite loss or gradient at step 3 (loss=nan, grad_norm=nan)" in str(err), str(err)
+
+
+def test_a_hook_runs_at_its_cadence_and_sees_the_step_s_metrics(tmp_path):
+    """A user's hook runs every N steps of the run (counted from step 0, so a resumed run keeps the cadence), sees
+    that step's metrics (its record: the same numbers metrics.jsonl gets, after evaluation), and what it adds to
+    them is written with the record."""
+    seen = []
+
+    def grad_to_loss(info):
+        assert float(info.per_step[-1]["grad_norm"]) == info.metrics["grad_norm"]  # this step's own
+        seen.append((info.step, dict(info.metrics), [float(h["loss"]) for h in info.per_step]))
+        info.metrics["grad_to_loss"] = info.metrics["grad_norm"] / info.metrics["loss"]
+
+    never = ["train.log_every=100", "train.eval_every=100", "train.checkpoint_every=100"]
+    config = tiny("train.steps=7", *never)  # batch 16 x 64: the shape the module's other runs compiled for
+    with pytest.raises(ValueError, match="every=0"):
+        Hook(grad_to_loss, every=0)
+    with pytest.raises(TypeError, match="not a causal_lm.train.Hook"):
+        train_and_evaluate(config, str(tmp_path / "typo"), hooks=[grad_to_loss])
+    assert not (tmp_path / "typo").exists()
+
+    last = train_and_evaluate(config, str(tmp_path), hooks=[Hook(grad_to_loss, every=3)])
+    assert [s for s, _, _ in seen] == [3, 6]
+    records = read_metrics(str(tmp_path))
+    assert [r["step"] for r in records] == [3, 6, 7]  # the hook's steps are log steps; 7 is the last step
+    for (step, metrics, losses), r in zip(seen, records, strict=False):
+        assert metrics["step"] == step == r["step"]
+        assert len(losses) == 3 and metrics["loss"] == pytest.approx(np.mean(losses), rel=1e-6)
+        assert {k: r[k] for k in ("loss", "grad_norm", "lr", "tokens")} == {
+            k: metrics[k] for k in ("loss", "grad_norm", "lr", "tokens")
+        }
+        assert r["grad_to_loss"] == r["grad_norm"] / r["loss"]
+    assert "grad_to_loss" not in records[2] and last["step"] == 7 and "val_loss" in last
+
+    # Resumed from step 7 to 12: the hook runs at 9 and 12 (the last step, also an eval step: it sees val_loss).
+    seen.clear()
+    train_and_evaluate(tiny("train.steps=12", *never), str(tmp_path), hooks=[Hook(grad_to_loss, every=3)])
+    assert [s for s, _, _ in seen] == [9, 12]
+    assert [len(losses) for _, _, losses in seen] == [2, 3]
+    assert "val_loss" in seen[1][1] and "val_loss" not in seen[0][1]
+    assert [r["step"] for r in read_metrics(str(tmp_path))] == [3, 6, 7, 9, 12]

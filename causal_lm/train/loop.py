@@ -1,10 +1,13 @@
 """`train_and_evaluate(config, workdir)`: the training loop, resumable from its own checkpoints.
 
+Three parts: restore-or-init (`_restore_or_init`), the step loop (`_step_loop`) and hooks (`causal_lm.train.hooks`).
 One jitted step with the train state donated; the host does not wait for the device inside the loop except at
-log steps (every `train.log_every`, and at eval and checkpoint steps). There it reads the interval's losses,
-checks the non-finite flag the step keeps on the device (so the halt names the exact step, and a non-finite
-state is never saved), evaluates and samples every `train.eval_every`, and saves every `train.checkpoint_every`
-and at the end.
+log steps (every `train.log_every`, the last step, and every step a hook is due: eval and checkpoint steps, and a
+user's `Hook(fn, every=N)` passed as `train_and_evaluate(..., hooks=[...])`). There it reads the interval's
+losses into the step's record and runs the hooks due, in order: the divergence check (the non-finite flag the
+step keeps on the device, so the halt names the exact step and a non-finite state is never saved), evaluation
+and a sample every `train.eval_every`, the user's hooks, the metrics write, and a save every
+`train.checkpoint_every` and at the end.
 
 Rerunning on a workdir that has checkpoints resumes from the latest intact one (checksums verified; damaged
 ones are skipped with a note): parameters, optimizer state, RNG and the data iterator's position are restored,
@@ -24,15 +27,15 @@ by shard (onto whatever mesh the resuming run has), and only process 0 writes lo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
-from flax import nnx
 
 from causal_lm import parallel
 from causal_lm.config import Config, ConfigError, config_to_dict
@@ -48,11 +51,20 @@ from causal_lm.train.checkpoint import (
     check_model_config,
     write_workdir_files,
 )
-from causal_lm.train.divergence import DivergenceError, NonFiniteLossError, SpikeMonitor
-from causal_lm.train.evaluate import evaluate_split, sample_text
+from causal_lm.train.evaluate import evaluate_split
+from causal_lm.train.hooks import (
+    CheckDivergence,
+    EvaluateAndSample,
+    Hook,
+    ProfileSteps,
+    Run,
+    SaveCheckpoint,
+    StepInfo,
+    WriteMetrics,
+)
 from causal_lm.train.lock import WorkdirLock
 from causal_lm.train.metrics import MetricsWriter, peak_flops, train_flops_per_token
-from causal_lm.train.profile import PROFILE_DIR, StepProfiler
+from causal_lm.train.profile import PROFILE_DIR
 from causal_lm.train.state import (
     check_optimizer_resume,
     init_params,
@@ -79,11 +91,6 @@ def resolve_config(config: Config, tokenizer=None) -> Config:
     if changes:
         config = dataclasses.replace(config, model=dataclasses.replace(m, **changes))
     return config
-
-
-def _log_steps(t) -> Callable[[int], bool]:
-    # Checkpoint steps are log steps too, so a resumed run's logging intervals line up with an uninterrupted run's.
-    return lambda s: s % t.log_every == 0 or s % t.eval_every == 0 or s % t.checkpoint_every == 0 or s == t.steps
 
 
 class _NoWriter:
@@ -146,11 +153,17 @@ class _Console:
 
 
 def train_and_evaluate(
-    config: Config, workdir: str, *, callback: Callable[[str, int, dict], None] | None = None
+    config: Config,
+    workdir: str,
+    *,
+    callback: Callable[[str, int, dict], None] | None = None,
+    hooks: Sequence[Hook] = (),
 ) -> dict:
     """Train `config` in `workdir` (resuming from its latest checkpoint, if any) and return the last record
     written to metrics.jsonl, with the last validation metrics.
 
+    hooks: `causal_lm.train.Hook`s, run at their cadence (`every=N` steps) with the step's metrics, after the
+    built-in evaluation and before the record is written (see `causal_lm.train.hooks`).
     callback(event, step, info), if given, is called after each "log", "eval" and "checkpoint" event; for a
     checkpoint, info["wait"]() blocks until that save is on disk.
     Raises ConfigError / DataError / CheckpointError before any compute for bad input, WorkdirLockedError when
@@ -159,12 +172,16 @@ def train_and_evaluate(
     """
     # A named attention backend that cannot run on this platform fails before the workdir is touched.
     backends.describe(resolve_config(config).model)
+    hooks = list(hooks)
+    for h in hooks:
+        if not isinstance(h, Hook):
+            raise TypeError(f"hooks: {h!r} is not a causal_lm.train.Hook (wrap a function as Hook(fn, every=N))")
     # Only process 0 locks: the other processes of a multi-host run share the workdir on purpose.
     lock = WorkdirLock(workdir) if parallel.is_main_process() else None
     if lock is not None:
         lock.acquire()
     try:
-        return _locked(config, workdir, callback)
+        return _locked(config, workdir, callback, hooks)
     finally:
         if lock is not None:
             lock.release()
@@ -212,7 +229,7 @@ def _setting_changes(saved: dict, config: Config) -> list[str]:
     return out
 
 
-def _locked(config: Config, workdir: str, callback) -> dict:
+def _locked(config: Config, workdir: str, callback, hooks: list[Hook]) -> dict:
     # ---- everything that can be wrong with the input fails here, before any compute or any write ----------
     candidates = _resume_candidates(workdir, config)
     meta = None
@@ -253,7 +270,7 @@ def _locked(config: Config, workdir: str, callback) -> dict:
 
     ckpt = Checkpointer(workdir, keep=t.keep_checkpoints)
     try:
-        result = _train(config, workdir, ckpt, data, candidates, notes, requested_vocab, callback)
+        result = _train(config, workdir, ckpt, data, candidates, notes, requested_vocab, callback, hooks)
     except BaseException:
         try:
             ckpt.close()
@@ -291,13 +308,56 @@ def _restore_newest_intact(ckpt: Checkpointer, candidates: list[int], state, tok
 
 
 def _train(
-    config: Config, workdir: str, ckpt: Checkpointer, data, candidates, notes, requested_vocab, callback
+    config: Config, workdir: str, ckpt: Checkpointer, data, candidates, notes, requested_vocab, callback, hooks
 ) -> dict:
     t, m = config.train, config.model
     main = parallel.is_main_process()
     attention_line = backends.describe(m)  # which attention kernels run, said once at start-up
-    # ---- model, optimizer, state ------------------------------------------------------------------------------
     mesh = parallel.training_mesh(config.mesh)  # None on one device: the unsharded path
+    graphdef, state, rest, start, changed = _restore_or_init(config, workdir, ckpt, data, candidates, mesh)
+    place_batch = None
+    if mesh is not None:
+        state = parallel.shard_tree(state, train_state_shardings(m, t, mesh)[0])
+        place_batch = lambda b: parallel.shard_global_batch(b, mesh)  # noqa: E731
+    if main:
+        write_workdir_files(workdir, config, data.tokenizer)
+    console = _Console(t.progress and main, t.steps, start)
+    flops_per_token = train_flops_per_token(m, state.params, t.seq_len)
+    _resume_lines(console, workdir, start, notes, changed, requested_vocab, m, data.tokenizer.kind)
+    _banner(console, config, data, mesh, state.params, flops_per_token, attention_line)
+
+    run = Run(config, workdir, graphdef, rest, data, ckpt, console, main, place_batch, callback)
+    writer = WriteMetrics(MetricsWriter(workdir, start) if main else _NoWriter())
+    hooks = [
+        ProfileSteps(t.profile_range, os.path.join(workdir, PROFILE_DIR)),
+        CheckDivergence(t, m.vocab_size),
+        EvaluateAndSample(t.eval_every, t.steps),
+        *hooks,
+        writer,
+        SaveCheckpoint(t.checkpoint_every, t.steps),
+    ]
+    try:
+        step_fn = compiled_train_step(m, t, graphdef, mesh)
+        state = _step_loop(run, state, start, step_fn, hooks, mesh, flops_per_token)
+    finally:
+        _close_all([*hooks, console])
+    if start >= t.steps:
+        console.print(f"{workdir} is already trained to step {start} (train.steps={t.steps}); nothing to do")
+        val = evaluate_split(graphdef, state.params, rest, data.val, data.token_bytes, place_batch)
+        return {
+            "step": start,
+            "val_loss": val["loss"],
+            "val_ppl": val["perplexity"],
+            "val_bpb": val.get("bits_per_byte"),
+        }
+    return writer.last
+
+
+def _restore_or_init(config: Config, workdir: str, ckpt: Checkpointer, data, candidates, mesh):
+    """(graphdef, state, rest, start step, changed settings): a fresh train state, or the newest intact checkpoint's
+    (parameters, optimizer state, RNG, data iterator position), deleting or moving aside the later checkpoints."""
+    t, m = config.train, config.model
+    main = parallel.is_main_process()
     optimizer = make_optimizer(t)
     if mesh is None:
         graphdef, params, rest = init_params(m, t.seed)
@@ -332,26 +392,28 @@ def _train(
             if main:
                 note(f"moved the refused checkpoints {', '.join(map(str, later))} to {os.path.dirname(moved[0])}")
             ckpt.reload()
-    place_batch = None
-    if mesh is not None:
-        state = parallel.shard_tree(state, train_state_shardings(m, t, mesh)[0])
-        place_batch = lambda b: parallel.shard_global_batch(b, mesh)  # noqa: E731
-    if main:
-        write_workdir_files(workdir, config, data.tokenizer)
-    console = _Console(t.progress and main, t.steps, start)
-    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-    flops_per_token = train_flops_per_token(m, params, t.seq_len)
+    return graphdef, state, rest, start, changed
+
+
+def _resume_lines(console, workdir, start, notes, changed, requested_vocab, m, tokenizer_kind):
+    """The start-up lines about where the run starts from."""
     if requested_vocab != m.vocab_size:
         console.print(
-            f"model.vocab_size set to {m.vocab_size} to match the {data.tokenizer.kind} tokenizer "
+            f"model.vocab_size set to {m.vocab_size} to match the {tokenizer_kind} tokenizer "
             f"(config had {requested_vocab})"
         )
     if start:
         console.print(
             f"resuming {workdir} from step {start}" + (f" (model config changed: {'; '.join(notes)})" if notes else "")
         )
-    if changed and main:
+    if changed and parallel.is_main_process():
         note(f"resuming from step {start} with changed settings (checkpoint -> now): {'; '.join(changed)}")
+
+
+def _banner(console, config, data, mesh, params, flops_per_token, attention_line):
+    """The start-up lines: what is trained, on what."""
+    t, m = config.train, config.model
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
     console.print(
         f"model: {n_params:,} parameters, {m.num_layers} layers, d_model {m.d_model}, "
         f"{m.attention_label if hasattr(m, 'attention_label') else m.attention_type}, vocab {m.vocab_size} "
@@ -378,169 +440,74 @@ def _train(
         + f", {flops_per_token / 1e6:.1f} MFLOP/token (causal attention counted at half)"
     )
 
-    writer = MetricsWriter(workdir, start) if main else _NoWriter()
-    monitor = SpikeMonitor(t.spike_threshold, t.spike_zscore, t.spike_window, m.vocab_size)
-    step_fn = compiled_train_step(m, t, graphdef, mesh)
-    profiler = StepProfiler(t.profile_range, os.path.join(workdir, PROFILE_DIR))
-    is_log = _log_steps(t)
+
+def _step_loop(run: Run, state, start: int, step_fn, hooks: list[Hook], mesh, flops_per_token: float):
+    """Steps start+1..train.steps; at each log step the record and the hooks due (see `causal_lm.train.hooks`).
+    Returns the last state."""
+    t, m = run.config.train, run.config.model
+    wrappers = [h for h in hooks if type(h).around_step is not Hook.around_step]
     tokens_per_step = t.batch_size * t.seq_len
     pending: list = []
-    last: dict = {}
-    best_val = None
+    first_record = True
     compile_s = None
     interval_t0, interval_steps = time.perf_counter(), 0
-    try:
-        for step in range(start + 1, t.steps + 1):
-            batch = next(data.train)
-            if mesh is not None:
-                batch = parallel.shard_local_batch(batch, mesh, t.batch_size)
-            state, metrics = profiler.run(step, step_fn, state, rest, batch)
-            pending.append(metrics)
-            interval_steps += 1
-            console.step()
-            if compile_s is None:  # the first step compiles: time it apart from throughput
-                jax.block_until_ready(metrics)
-                compile_s = time.perf_counter() - interval_t0
-                interval_t0, interval_steps = time.perf_counter(), 0
-            if not is_log(step):
-                continue
-
-            # ---- log step: the one place the host waits for the device -----------------------------------
-            host = jax.device_get(pending)
-            bad_step = int(jax.device_get(state.bad_step))
-            elapsed = time.perf_counter() - interval_t0
-            first = step - len(host) + 1  # the step of host[0]
-            for i, h in enumerate(host):
-                if bad_step and first + i >= bad_step:
-                    break
-                spike = monitor.check(first + i, float(h["loss"]))
-                if spike:
-                    _diverged(ckpt, workdir, t, first + i, spike, DivergenceError)
-            if bad_step:
-                bad = host[bad_step - first]
-                _diverged(
-                    ckpt,
-                    workdir,
-                    t,
-                    bad_step,
-                    f"non-finite loss or gradient at step {bad_step} (loss={float(bad['loss'])}, "
-                    f"grad_norm={float(bad['grad_norm'])})",
-                    NonFiniteLossError,
-                )
-            record = {
-                "step": step,
-                "loss": float(np.mean([h["loss"] for h in host])),
-                "grad_norm": float(host[-1]["grad_norm"]),
-                "lr": float(host[-1]["lr"]),
-                "tokens": step * tokens_per_step,
-            }
-            if "z_loss" in host[-1]:  # train.z_loss > 0: the auxiliary term, apart from the cross entropy
-                record["z_loss"] = float(np.mean([h["z_loss"] for h in host]))
-            if interval_steps:
-                tps = interval_steps * tokens_per_step / max(elapsed, 1e-9)
-                peak, _ = peak_flops(m.dtype) if not t.peak_flops else (t.peak_flops, "")
-                record["tokens_per_s"] = tps
-                record["mfu"] = tps * flops_per_token / (peak * jax.device_count())
-            if not last:  # the first record of this process says how long compiling took
-                record["compile_s"] = compile_s
-            pending = []
-
-            if step % t.eval_every == 0 or step == t.steps:
-                val = evaluate_split(graphdef, state.params, rest, data.val, data.token_bytes, place_batch)
-                record.update(
-                    val_loss=val["loss"],
-                    val_ppl=val["perplexity"],
-                    val_bpb=val.get("bits_per_byte"),
-                    val_tokens=val["tokens"],
-                )
-                if t.sample_tokens:
-                    seed = int(jax.device_get(state.rng)[-1])
-                    record["sample"] = sample_text(
-                        nnx.merge(graphdef, state.params, rest),
-                        data.tokenizer,
-                        t.sample_prompt,
-                        t.sample_tokens,
-                        temperature=t.sample_temperature,
-                        seed=seed,
-                        use_cache=m.attention_mask == "causal",
-                    )
-                best_val = val["loss"] if best_val is None else min(best_val, val["loss"])
-                console.print(_eval_line(record))
-                if callback:
-                    callback("eval", step, record)
-
-            writer.write(record)
-            console.status(record)
-            last = record
-            if callback:
-                callback("log", step, record)
-
-            if step % t.checkpoint_every == 0 or step == t.steps:
-                meta_out = {
-                    "config": config_to_dict(config),
-                    "tokenizer": data.tokenizer.to_dict(),
-                    "data_state": data.train.state(),
-                }
-                ckpt.save(
-                    step,
-                    state.params,
-                    meta_out,
-                    train_state={k: getattr(state, k) for k in ("opt_state", "step", "rng", "bad_step")},
-                    val_loss=record.get("val_loss"),
-                )
-                if callback:
-                    callback("checkpoint", step, {"wait": ckpt.wait})
+    for step in range(start + 1, t.steps + 1):
+        batch = next(run.data.train)
+        if mesh is not None:
+            batch = parallel.shard_local_batch(batch, mesh, t.batch_size)
+        fn = step_fn
+        for h in reversed(wrappers):
+            fn = functools.partial(h.around_step, step, fn)
+        state, metrics = fn(state, run.rest, batch)
+        pending.append(metrics)
+        interval_steps += 1
+        run.console.step()
+        if compile_s is None:  # the first step compiles: time it apart from throughput
+            jax.block_until_ready(metrics)
+            compile_s = time.perf_counter() - interval_t0
             interval_t0, interval_steps = time.perf_counter(), 0
-    finally:
-        profiler.close()
-        console.close()
-        writer.close()
-    if start >= t.steps:
-        console.print(f"{workdir} is already trained to step {start} (train.steps={t.steps}); nothing to do")
-        val = evaluate_split(graphdef, state.params, rest, data.val, data.token_bytes, place_batch)
-        last = {
-            "step": start,
-            "val_loss": val["loss"],
-            "val_ppl": val["perplexity"],
-            "val_bpb": val.get("bits_per_byte"),
+        # Checkpoint steps are log steps too (the checkpoint hook is due there), so a resumed run's logging
+        # intervals line up with an uninterrupted run's.
+        due = [h.due(step) for h in hooks]
+        if not (step % t.log_every == 0 or step == t.steps or any(due)):
+            continue
+
+        # ---- log step: the one place the host waits for the device -----------------------------------------
+        host = jax.device_get(pending)
+        elapsed = time.perf_counter() - interval_t0
+        record = {
+            "step": step,
+            "loss": float(np.mean([h["loss"] for h in host])),
+            "grad_norm": float(host[-1]["grad_norm"]),
+            "lr": float(host[-1]["lr"]),
+            "tokens": step * tokens_per_step,
         }
-    return last
+        if "z_loss" in host[-1]:  # train.z_loss > 0: the auxiliary term, apart from the cross entropy
+            record["z_loss"] = float(np.mean([h["z_loss"] for h in host]))
+        if interval_steps:
+            tps = interval_steps * tokens_per_step / max(elapsed, 1e-9)
+            peak, _ = peak_flops(m.dtype) if not t.peak_flops else (t.peak_flops, "")
+            record["tokens_per_s"] = tps
+            record["mfu"] = tps * flops_per_token / (peak * jax.device_count())
+        if first_record:  # the first record of this process says how long compiling took
+            record["compile_s"] = compile_s
+            first_record = False
+        pending = []
+        info = StepInfo(step, record, state, run, host)
+        for hook, is_due in zip(hooks, due, strict=True):
+            if is_due or hook.every is None:
+                hook(info)
+        interval_t0, interval_steps = time.perf_counter(), 0
+    return state
 
 
-def _diverged(ckpt: Checkpointer, workdir: str, t, step: int, what: str, error: type) -> None:
-    """Raise `error` for divergence at `step`: nothing from `step` on was written or saved (the check runs before
-    the record and the checkpoint of a log step), so the newest checkpoint, once pending saves are on disk, is the
-    last healthy one."""
-    ckpt.wait()
-    healthy = [s for s in ckpt.all_steps() if s < step]
-    last = max(healthy) if healthy else None
-    lower = f"{t.learning_rate / 10:g}"
-    if last is None:
-        where = "no checkpoint had been written yet"
-        hint = (
-            f"start again in a new --workdir with a lower train.learning_rate (e.g. {lower}) or more train.warmup_steps"
-        )
-    else:
-        where = f"the last healthy checkpoint is step {last}"
-        hint = (
-            f"resume from step {last} with a lower learning rate: rerun with train.resume_step={last} "
-            f"train.learning_rate={lower} (or raise train.warmup_steps)"
-        )
-    raise error(
-        f"training diverged: {what}; training stopped and nothing from step {step} on was saved; {where}",
-        step,
-        last,
-        hint,
-    )
-
-
-def _eval_line(r: dict) -> str:
-    s = f"step {r['step']}: val_loss {r['val_loss']:.4f} (ppl {r['val_ppl']:.2f}"
-    if r.get("val_bpb") is not None:
-        s += f", {r['val_bpb']:.3f} bits/byte"
-    s += ")"
-    if "tokens_per_s" in r:
-        s += f" | train loss {r['loss']:.4f}, {r['tokens_per_s']:,.0f} tokens/s, MFU {100 * r['mfu']:.1f}%"
-    if r.get("sample") is not None:
-        s += f"\n  sample: {r['sample']!r}"
-    return s
+def _close_all(things) -> None:
+    """close() each in order, all of them even when one fails; the first failure is raised after."""
+    error = None
+    for thing in things:
+        try:
+            thing.close()
+        except BaseException as e:  # noqa: PERF203
+            error = error or e
+    if error is not None:
+        raise error
