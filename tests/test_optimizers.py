@@ -9,16 +9,13 @@ optimizer that learns below the unigram loss and resumes exactly after SIGKILL."
 import math
 import os
 import shutil
-import signal
 import struct
-import subprocess
-import sys
-import threading
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from children import kill_child_at
 from flax import nnx
 from test_train import CHILD  # the child that blocks each save past step n, for a SIGKILL mid-save
 from variants import tiny_config
@@ -412,27 +409,8 @@ def _tensorboard_tags(directory) -> set:
 
 
 def _run_child_until_killed(tmp_path, workdir, overrides):
-    script = tmp_path / "child.py"
-    script.write_text(CHILD)
-    with open(tmp_path / "child.err", "w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, str(script), workdir, str(N), *overrides],
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-            cwd=os.path.dirname(os.path.dirname(__file__)),
-        )
-        watchdog = threading.Timer(300, proc.kill)
-        watchdog.start()
-        lines = []
-        for line in proc.stdout:
-            lines.append(line.strip())
-            if line.startswith("SAVING"):
-                os.kill(proc.pid, signal.SIGKILL)  # in the middle of writing the checkpoint of the last step
-                break
-        proc.wait(timeout=60)
-        watchdog.cancel()
-    assert proc.returncode == -signal.SIGKILL, (lines, (tmp_path / "child.err").read_text()[-3000:])
+    # killed in the middle of writing the checkpoint of the last step
+    lines = kill_child_at(tmp_path, CHILD, [workdir, N, *overrides])
     assert lines[-2:] == [f"SAVED {N}", f"SAVING {2 * N}"]
 
 

@@ -6,14 +6,11 @@ import dataclasses
 import json
 import math
 import os
-import signal
-import subprocess
-import sys
-import threading
 
 import jax
 import numpy as np
 import pytest
+from children import kill_child_at
 
 from causal_lm.cli import main
 from causal_lm.config import ConfigError, apply_overrides, config_from_dict, load_config
@@ -147,27 +144,8 @@ print("FINISHED", flush=True)
 
 def test_resume_after_sigkill_is_bitwise_exact(trained, tmp_path):
     workdir = str(tmp_path / "killed")
-    script = tmp_path / "child.py"
-    script.write_text(CHILD)
-    with open(tmp_path / "child.err", "w") as err:
-        proc = subprocess.Popen(
-            [sys.executable, str(script), workdir, str(N), *OVERRIDES],
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-            cwd=os.path.dirname(os.path.dirname(__file__)),
-        )
-        watchdog = threading.Timer(300, proc.kill)  # a hung child fails the test instead of hanging it
-        watchdog.start()
-        lines = []
-        for line in proc.stdout:
-            lines.append(line.strip())
-            if line.startswith("SAVING"):
-                os.kill(proc.pid, signal.SIGKILL)  # in the middle of writing the checkpoint after step N
-                break
-        proc.wait(timeout=60)
-        watchdog.cancel()
-    assert proc.returncode == -signal.SIGKILL, (lines, (tmp_path / "child.err").read_text()[-3000:])
+    # killed in the middle of writing the checkpoint after step N
+    lines = kill_child_at(tmp_path, CHILD, [workdir, N, *OVERRIDES])
     assert lines[-2:] == [f"SAVED {N}", f"SAVING {N + 50}"]
 
     # The interrupted save left only a temporary directory; step N is the latest complete, restorable checkpoint.
