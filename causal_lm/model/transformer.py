@@ -21,7 +21,7 @@ from flax import nnx
 from causal_lm.config import ModelConfig
 from causal_lm.model.attention import Attention
 from causal_lm.model.context import AttentionContext
-from causal_lm.model.kv_cache import KVCache, check_capacity, require_causal
+from causal_lm.model.kv_cache import KVCache, check_cache_matches, check_capacity, require_causal
 from causal_lm.model.layers import MLP, norm, normal_param, project
 from causal_lm.model.mask import AttentionMask, increasing_within_segments, make_mask, segment_positions
 from causal_lm.model.mla import MLAttention
@@ -141,6 +141,8 @@ class Decoder(nnx.Module):
         row. They are accepted by default on purpose: positions, not array order, define what the mask lets a
         token see, and repeated or decreasing ones mean exactly what the mask's formula says."""
         c = self.config
+        if cache is not None:  # static shapes and metadata: checked while tracing too
+            check_cache_matches(c, cache)
         if not _is_concrete(tokens, positions, segment_ids, None if cache is None else cache.lengths):
             return
         t = np.asarray(tokens)
@@ -164,8 +166,6 @@ class Decoder(nnx.Module):
             require_causal(c)
             if cache.batch_size != t.shape[0]:
                 raise InputError(f"cache holds {cache.batch_size} rows but tokens have {t.shape[0]}")
-            if cache.num_layers != c.num_layers:
-                raise InputError(f"cache holds {cache.num_layers} layers but the model has {c.num_layers}")
             lengths = np.asarray(cache.lengths)
             n_valid = t.shape[1] if segment_ids is None else np.asarray(segment_ids != 0).sum(1)
             check_capacity(cache, n_valid)

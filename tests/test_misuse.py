@@ -1,0 +1,106 @@
+"""No silent wrong answers at the Python API and in conversion (issue 33): a cache must match its model, cache
+arguments are checked, weights must be finite, and a damaged or suspicious Hugging Face / GGUF input, or a
+conversion into a training workdir, is one clear error before anything is computed or overwritten."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from variants import tiny_config, tiny_model
+
+from causal_lm import CacheError, init_cache
+from causal_lm.model.functional import forward
+
+TOKENS = np.array([[3, 1, 4, 1, 5]], np.int32)
+
+
+# ---- a cache belongs to its model ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "cache_config, field",
+    [
+        (dict(num_kv_heads=4), "num_kv_heads is 4 in the cache, 2 in the model"),
+        (dict(sliding_window=4), "the window of layers [0, 1] is 4 in the cache, 0 in the model"),
+        (dict(head_dim=16), "head_dim is 16 in the cache, 8 in the model"),
+        (dict(num_layers=3), "the number of layers is 3 in the cache, 2 in the model"),
+        (
+            dict(attention_type="mla", kv_lora_rank=8, num_kv_heads=None),
+            "what each slot holds is latent/rope_key in the cache, k/v",
+        ),
+    ],
+    ids=["kv_heads", "window", "head_dim", "layers", "mla"],
+)
+def test_a_cache_of_another_layout_is_refused_naming_the_field(cache_config, field):
+    """Today a cache for 4 KV heads on a 2-head model, or one with a window on a model without one, returns
+    logits that differ with no error; another head_dim fails inside JAX's reshape."""
+    model = tiny_model(tiny_config())
+    cache = init_cache(tiny_config().replace(**cache_config), 1, 16)
+    with pytest.raises(CacheError, match="not built for this model") as e:
+        model(TOKENS, cache=cache)
+    assert field in str(e.value)
+    # the jitted entry point (the cache a traced pytree there) refuses it the same way, while tracing
+    with pytest.raises(CacheError, match="not built for this model") as e:
+        forward(model, TOKENS, cache=init_cache(tiny_config().replace(**cache_config), 1, 16))
+    assert field in str(e.value)
+
+
+def test_a_cache_whose_storage_type_is_not_its_arrays_is_refused():
+    config = tiny_config()
+    model = tiny_model(config)
+    cache = dataclasses.replace(init_cache(config, 1, 16), storage="int8")  # float32 arrays, no scales
+    with pytest.raises(CacheError, match="arrays of storage 'int8'"):
+        model(TOKENS, cache=cache)
+
+
+def test_the_cache_check_runs_inside_jit_on_static_shapes_only():
+    """Inside jit the cache is a traced pytree: the check compares shapes and metadata, so a matching cache
+    traces and runs, and a mismatching one is refused at trace time."""
+    config = tiny_config()
+    model = tiny_model(config)
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def step(state, cache):
+        return nnx.merge(graphdef, state)(jnp.asarray(TOKENS), cache=cache)
+
+    logits, cache = step(state, init_cache(config, 1, 16))
+    np.testing.assert_allclose(logits, model(TOKENS)[0], atol=1e-5, rtol=0)
+    assert np.asarray(cache.lengths).tolist() == [5]
+    with pytest.raises(CacheError, match="num_kv_heads is 4 in the cache, 2 in the model"):
+        step(state, init_cache(tiny_config(kv="mha"), 1, 16))
+
+
+# ---- cache arguments ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(lookahead=1.5), "lookahead must be an integer >= 0, got 1.5"),
+        (dict(lookahead=-1), "lookahead must be an integer >= 0, got -1"),
+        (dict(dtype="foo"), "cache dtype must be one of float32, bfloat16, float16, int8, float8_e4m3fn, got 'foo'"),
+        (dict(dtype="int32"), "cache dtype must be one of .* got 'int32'"),
+        (dict(max_len=0), "max_len must be a positive integer, got 0"),
+        (dict(batch_size=True), "batch_size must be a positive integer, got True"),
+    ],
+)
+def test_init_cache_refuses_bad_arguments(kwargs, match):
+    args = dict(batch_size=1, max_len=16) | kwargs
+    with pytest.raises(CacheError, match=match):
+        init_cache(tiny_config(sliding_window=4), args.pop("batch_size"), args.pop("max_len"), **args)
+
+
+def test_rollback_refuses_negative_lengths_and_lengths_beyond_the_current_ones():
+    config = tiny_config()
+    _, cache = forward(tiny_model(config), TOKENS, cache=init_cache(config, 1, 16))
+    with pytest.raises(CacheError, match="cannot roll row 0 back to length -3"):
+        cache.rollback([-3])
+    with pytest.raises(CacheError, match="cannot roll row 0 back to length 7: .*current 5"):
+        cache.rollback(np.array([7]))
+    with pytest.raises(CacheError, match="integer lengths"):
+        cache.rollback([2.5])
+    assert np.asarray(cache.rollback([2]).lengths).tolist() == [2]
