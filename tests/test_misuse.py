@@ -104,3 +104,55 @@ def test_rollback_refuses_negative_lengths_and_lengths_beyond_the_current_ones()
     with pytest.raises(CacheError, match="integer lengths"):
         cache.rollback([2.5])
     assert np.asarray(cache.rollback([2]).lengths).tolist() == [2]
+
+
+# ---- finite weights --------------------------------------------------------------------------------------------
+
+
+def _nan_model():
+    """A fresh tiny model with one NaN in an MLP weight (not the shared tiny_model)."""
+    from causal_lm.model import build_model
+
+    model = build_model(tiny_config())
+    model.blocks.mlp.w_up[...] = model.blocks.mlp.w_up[...].at[1, 3, 5].set(jnp.nan)
+    return model
+
+
+def test_generate_refuses_a_model_with_a_nan_parameter_naming_it():
+    """Today: NaN logits, argmax picks token 0 every step, and the garbage comes back with no error."""
+    from causal_lm import WeightError, generate
+
+    model = _nan_model()
+    with pytest.raises(WeightError, match=r"parameter blocks\.mlp\.w_up holds NaN"):
+        generate(model, [[1, 2, 3]], max_new_tokens=2)
+    with pytest.warns(UserWarning, match=r"blocks\.mlp\.w_up holds NaN; going on as asked"):
+        out = generate(model, [[1, 2, 3]], max_new_tokens=2, check_finite=False)
+    assert len(out.tokens[0]) == 2
+
+
+def test_an_eager_call_refuses_nan_weights_once_per_array():
+    """model(...) outside jit says so instead of returning NaN logits; the reduction runs once per array object:
+    a second call reduces nothing, and replacing one array reduces that one only."""
+    from causal_lm import WeightError
+    from causal_lm.model import weights
+
+    model = _nan_model()
+    with pytest.raises(WeightError, match=r"blocks\.mlp\.w_up holds NaN"):
+        model(TOKENS)
+    with pytest.raises(WeightError, match=r"blocks\.mlp\.w_up holds NaN"):
+        forward(model, TOKENS)  # the jitted entry point checks before it traces
+    model.blocks.mlp.w_up[...] = jnp.nan_to_num(model.blocks.mlp.w_up[...])
+    assert weights._magnitudes(model)[2] == {"blocks.mlp.w_up"}
+    assert weights._magnitudes(model)[2] == set()
+    logits, _ = model(TOKENS)
+    assert np.isfinite(np.asarray(logits)).all()
+    model.embed[...] = model.embed[...].at[0, 0].set(jnp.inf)
+    with pytest.raises(WeightError, match="embed holds an infinity"):
+        model(TOKENS)
+    with pytest.warns(UserWarning, match="embed holds an infinity"):
+        weights.check_weights(model, warn=True)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        weights.check_weights(model, warn=True)  # once per array object

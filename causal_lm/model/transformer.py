@@ -26,6 +26,7 @@ from causal_lm.model.layers import MLP, norm, normal_param, project
 from causal_lm.model.mask import AttentionMask, increasing_within_segments, make_mask, segment_positions
 from causal_lm.model.mla import MLAttention
 from causal_lm.model.rope import layer_rope_tables
+from causal_lm.model.weights import check_weights
 
 # The projection outputs `model.remat=minimal` keeps for the backward pass (named with checkpoint_name where they
 # are computed: attention.py, mla.py, layers.py); everything else in a block is recomputed from them.
@@ -203,8 +204,13 @@ class Decoder(nnx.Module):
         layers=None,
     ) -> ModelOutput:
         """The whole forward pass as a `ModelOutput`. input_embeddings [B, T, D] replaces the token lookup (for
-        gradient probes such as the no-leak test); tokens still give the shape."""
+        gradient probes such as the no-leak test); tokens still give the shape.
+
+        Called eagerly (concrete weights), the parameters are checked finite first, once per array object (see
+        `causal_lm.model.weights`); under jit the caller checks them (generate, functional.forward)."""
         self.validate(tokens, positions, segment_ids, cache)
+        if not isinstance(self.embed[...], jax.core.Tracer):
+            check_weights(self)
         c = self.config
         dt = jnp.dtype(c.dtype)
         tokens = jnp.asarray(tokens, jnp.int32)
