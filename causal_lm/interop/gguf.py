@@ -53,6 +53,7 @@ import numpy as np
 from causal_lm.data.tokenizer import HFTokenizer
 from causal_lm.interop.chat import end_of_turn_id
 from causal_lm.interop.hf import HFFormatError, _np_dtype, _param_table, model_config_from_hf, model_from_params
+from causal_lm.model.weights import check_tensor
 
 # general.architecture -> the Hugging Face architecture computing the same network
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -245,8 +246,9 @@ def dequantize_tensor(t) -> np.ndarray:
     return np.asarray(w, np.float32).reshape(shape)
 
 
-def load_gguf_params(reader, config, arch: str) -> dict:
-    """Our parameters (nested dict of numpy arrays in config.param_dtype), dequantized, unpermuted, checked."""
+def load_gguf_params(reader, config, arch: str, source: str = "the GGUF file") -> dict:
+    """Our parameters (nested dict of numpy arrays in config.param_dtype), dequantized, unpermuted, checked (shapes,
+    and every tensor finite and within a sane magnitude: GGUF carries no checksum)."""
 
     tensors = {t.name: t for t in reader.tensors}
     pd = np.dtype(_np_dtype(config.param_dtype))
@@ -265,6 +267,7 @@ def load_gguf_params(reader, config, arch: str) -> dict:
             if name not in tensors:
                 raise GGUFFormatError(f"the file has no tensor {name!r} (expected shape {list(expected)})")
             w = dequantize_tensor(tensors[name])
+            check_tensor(w, name, source)
             if w.shape != expected:
                 raise GGUFFormatError(f"tensor {name!r} has shape {list(w.shape)}, expected {list(expected)}")
             if arch in _PERMUTED and (".attn_q." in name or ".attn_k." in name):
@@ -451,5 +454,5 @@ def load_gguf(
         raise GGUFFormatError(f"{path!r}: {str(e).replace('config.json', 'the GGUF metadata')}") from None
     # The tokenizer first: it is quick, and a vocabulary that cannot be rebuilt should fail before the weights.
     tokenizer = gguf_tokenizer(meta, source=path) if load_tokenizer else None
-    model = model_from_params(config, load_gguf_params(reader, config, meta["general.architecture"]))
+    model = model_from_params(config, load_gguf_params(reader, config, meta["general.architecture"], path))
     return model, tokenizer

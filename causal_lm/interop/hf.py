@@ -54,6 +54,7 @@ from causal_lm.config import ModelConfig
 from causal_lm.data.tokenizer import HFTokenizer, TokenizerError
 from causal_lm.interop.chat import end_of_turn_id, read_chat_template
 from causal_lm.model.transformer import Decoder
+from causal_lm.model.weights import check_tensor
 
 # architecture class name -> model_type
 ARCHITECTURES = {
@@ -102,8 +103,19 @@ def read_hf_config(path: str) -> dict:
         raise HFFormatError(
             f"{path!r} has no config.json; expected a Hugging Face checkpoint folder (config.json + model.safetensors)"
         )
-    with open(cfg_path) as f:
-        return json.load(f)
+    return read_json(cfg_path)
+
+
+def read_json(file: str):
+    """A JSON file of a checkpoint folder; one HFFormatError naming the file and the position if it does not parse."""
+    with open(file, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise HFFormatError(
+            f"{file} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno} (a truncated or hand-edited file?)"
+        ) from None
 
 
 def _architecture(hf: dict) -> str:
@@ -697,8 +709,8 @@ class _Tensors:
         index = os.path.join(path, INDEX_NAME)
         single = os.path.join(path, WEIGHTS_NAME)
         if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f).get("weight_map")
+            weight_map = read_json(index)
+            weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
             if not isinstance(weight_map, dict):
                 raise HFFormatError(f"{index} has no weight_map")
             files = sorted(set(weight_map.values()))
@@ -721,7 +733,7 @@ class _Tensors:
         self.files = {}
         self.where: dict[str, str] = {}
         for fname in files:
-            handle = safe_open(os.path.join(path, fname), framework="numpy")
+            handle = self._guard(fname, lambda fname=fname: safe_open(os.path.join(path, fname), framework="numpy"))
             self.files[fname] = handle
             for name in handle.keys():
                 self.where[name] = fname
@@ -729,11 +741,29 @@ class _Tensors:
     def names(self) -> set:
         return set(self.where)
 
+    def _guard(self, fname: str, read):
+        """read(), with the safetensors library's errors (a truncated or malformed file) as one HFFormatError
+        naming the file: safetensors carries no checksum, so damage shows up as a parse error or not at all."""
+        try:
+            return read()
+        except OSError:
+            raise
+        except Exception as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise HFFormatError(
+                f"{os.path.join(self.path, fname)} cannot be read as safetensors (truncated or damaged?): {first}"
+            ) from None
+
     def shape(self, name: str) -> tuple:
-        return tuple(self.files[self.where[name]].get_slice(name).get_shape())
+        fname = self.where[name]
+        return tuple(self._guard(fname, lambda: self.files[fname].get_slice(name).get_shape()))
 
     def get(self, name: str) -> np.ndarray:
-        return self.files[self.where[name]].get_tensor(name)
+        """The tensor, checked finite and within a sane magnitude (WeightError naming it and its file)."""
+        fname = self.where[name]
+        w = self._guard(fname, lambda: self.files[fname].get_tensor(name))
+        check_tensor(w, name, os.path.join(self.path, fname))
+        return w
 
 
 def _shape_text(spec) -> str:
@@ -842,8 +872,7 @@ def _special_ids(path: str, hf: dict) -> dict:
     ids = {k: hf.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     gen_path = os.path.join(path, "generation_config.json")
     if os.path.isfile(gen_path):
-        with open(gen_path) as f:
-            gen = json.load(f)
+        gen = read_json(gen_path)
         ids.update({k: gen[k] for k in ids if gen.get(k) is not None})
     out = {}
     for k, v in ids.items():
@@ -860,8 +889,7 @@ def _eos_ids(path: str, hf: dict) -> list[int]:
     gen_path = os.path.join(path, "generation_config.json")
     sources = [hf]
     if os.path.isfile(gen_path):
-        with open(gen_path) as f:
-            sources.insert(0, json.load(f))
+        sources.insert(0, read_json(gen_path))
     for src in sources:
         v = src.get("eos_token_id")
         for i in v if isinstance(v, list) else [v]:
@@ -884,8 +912,7 @@ def read_tokenizer_settings(path: str, hf: dict, inner) -> dict:
     tc_path = os.path.join(path, "tokenizer_config.json")
     tc: dict = {}
     if os.path.isfile(tc_path):
-        with open(tc_path, encoding="utf-8") as f:
-            tc = json.load(f)
+        tc = read_json(tc_path)
     names = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
     special = {k: _token_text(tc.get(k)) for k in names}
     special = {k: v for k, v in special.items() if v is not None}

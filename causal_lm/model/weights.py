@@ -157,3 +157,23 @@ def check_weights(
             entry[2] = True
     if unwarned:  # once per array object: not again for weights already reported
         warnings.warn(message + "; going on as asked (check_finite=False)", stacklevel=3)
+
+
+def check_tensor(w, name: str, source: str, max_abs: float = SANE_MAGNITUDE) -> None:
+    """A tensor read from a file (Hugging Face safetensors, GGUF): WeightError naming it and the file when it holds
+    NaN or infinity or |w| > max_abs. Those formats carry no checksum, so corrupt bytes are caught here or not at
+    all; trained weights sit far below 1e4."""
+    a = np.asarray(w)
+    if not a.size or a.dtype.kind in "biu":  # integer tensors (none in these formats' weights) are not checked
+        return
+    v = float(np.max(np.abs(a.astype(np.float32))))
+    if np.isfinite(v) and v <= max_abs:
+        return
+    why = (
+        "holds NaN"
+        if np.isnan(v)
+        else "holds an infinity"
+        if np.isinf(v)
+        else f"holds |w| = {v:.3g}, beyond {max_abs:g}"
+    )
+    raise WeightError(f"{source}: tensor {name!r} {why}: corrupt bytes, or not these weights; refusing to convert it")
