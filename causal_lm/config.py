@@ -343,6 +343,11 @@ class ModelConfig:
                 _check(getattr(self, name) == off, f"model.{name} is not supported with attention_type='mla'")
         if t != "default":
             _check(self.rope_factor > 0, f"model.rope_factor must be positive, got {self.rope_factor}")
+        if t == "yarn":  # transformers only warns; below 1 the attention factor 0.1 ln(s) + 1 drops under 1
+            _check(
+                self.rope_factor >= 1,
+                f"rope_type='yarn' needs model.rope_factor >= 1 (the context extension factor), got {self.rope_factor}",
+            )
         if t in ("llama3", "yarn"):
             m = self.rope_original_max_len
             _check(

@@ -229,7 +229,9 @@ def test_a_garbled_config_json_names_the_file_and_the_position(hf_dir, tmp_path,
     _assert_one_error_line(lines, f"{src}/config.json is not valid JSON", "line 2 column 41")
 
 
-@pytest.mark.parametrize("value, why", [(3.0e6, "holds |w| = 3e+06, beyond 10000"), (np.nan, "holds NaN")])
+@pytest.mark.parametrize(
+    "value, why", [(3.0e6, "holds |w| = 3e+06, beyond 10000"), (np.nan, "holds NaN")], ids=["huge", "nan"]
+)
 def test_a_tensor_with_corrupt_values_is_refused_at_conversion(hf_dir, tmp_path, capsys, value, why):
     """safetensors has no checksum: a huge (or NaN) value is the only sign of corrupt bytes. Today a huge one is
     converted silently (and a NaN is named only by our parameter name, after the whole model was built)."""
@@ -268,3 +270,49 @@ def test_converting_into_a_workdir_with_checkpoints_needs_force(hf_dir, tmp_path
     assert f"--force: moved the checkpoints it held (steps 30) to {wd}/checkpoints_refused" in out
     assert sorted(d for d in os.listdir(os.path.join(wd, "checkpoints")) if d.isdigit()) == ["0"]
     assert os.listdir(os.path.join(wd, "checkpoints_refused")) == ["30"]  # moved, not lost
+
+
+# ---- small things found on the way -------------------------------------------------------------------------
+
+
+def test_to_hf_writes_the_weights_readable_like_every_other_file(tmp_path):
+    """safetensors creates its file 0600; the folder is meant for others (transformers, a model hub) to read."""
+    import os
+
+    from causal_lm import save_hf
+    from causal_lm.data import ByteTokenizer
+
+    pytest.importorskip("safetensors")
+    old = os.umask(0o022)
+    try:
+        save_hf(tiny_model(tiny_config(vocab_size=259)), ByteTokenizer(), str(tmp_path / "out"))
+    finally:
+        os.umask(old)
+    modes = {f: oct(os.stat(tmp_path / "out" / f).st_mode & 0o777) for f in os.listdir(tmp_path / "out")}
+    assert set(modes.values()) == {"0o644"}, modes
+
+
+def test_missing_checksums_are_a_sentence_and_notes_keep_the_workdir_as_given(tmp_path, monkeypatch):
+    import shutil
+
+    from causal_lm.config import Config, TrainConfig
+    from causal_lm.data import ByteTokenizer
+    from causal_lm.train import IntegrityError, load_for_inference, save_for_inference
+
+    monkeypatch.chdir(tmp_path)
+    model = tiny_model(tiny_config(vocab_size=259))
+    path = save_for_inference("wd", model, Config(model=model.config, train=TrainConfig(seq_len=64)), ByteTokenizer())
+    shutil.rmtree(f"{path}/integrity")
+    with pytest.raises(IntegrityError) as e:
+        load_for_inference("wd", step=0)
+    assert str(e.value) == (
+        "checkpoint 0 in wd/checkpoints is damaged: its checksums (integrity/) are missing, so what it holds "
+        "cannot be verified"
+    )
+
+
+def test_a_yarn_factor_below_one_is_refused():
+    from causal_lm.config import ConfigError
+
+    with pytest.raises(ConfigError, match="rope_type='yarn' needs model.rope_factor >= 1 .*got 0.5"):
+        tiny_config(rope_type="yarn", rope_factor=0.5, rope_original_max_len=16)

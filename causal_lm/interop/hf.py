@@ -993,6 +993,9 @@ def save_hf(model, tokenizer, out_dir: str, *, architecture: str | None = None) 
     tensors = hf_tensors_from_model(model)
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, WEIGHTS_NAME), metadata={"format": "pt"})
+    umask = os.umask(0)  # safetensors creates the file 0600: make it as readable as the other files here
+    os.umask(umask)
+    os.chmod(os.path.join(out_dir, WEIGHTS_NAME), 0o666 & ~umask)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
     gen = {
