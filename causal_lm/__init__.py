@@ -29,7 +29,15 @@ _EXPORTS = {
     "causal_lm.interop.chat": ("ChatTemplateError", "apply_chat_template"),
     "causal_lm.interop.gguf": ("GGUFFormatError", "load_gguf"),
     "causal_lm.interop.hf": ("HFFormatError", "load_hf", "save_hf"),
-    "causal_lm.model": ("CacheError", "Decoder", "InputError", "KVCache", "build_model", "init_cache"),
+    "causal_lm.model": (
+        "CacheError",
+        "Decoder",
+        "InputError",
+        "KVCache",
+        "WeightError",
+        "build_model",
+        "init_cache",
+    ),
     "causal_lm.model.functional": ("forward",),
     "causal_lm.serve": ("Engine", "EngineError"),
     "causal_lm.train": (

@@ -97,6 +97,12 @@ class RopeScaling:
             )
         if t != "default":
             _check(self.factor > 0, f"model.rope_scaling.factor must be positive, got {self.factor}")
+        if t == "yarn":  # transformers only warns; below 1 the attention factor 0.1 ln(s) + 1 drops under 1
+            _check(
+                self.factor >= 1,
+                f"rope_scaling.type='yarn' needs model.rope_scaling.factor >= 1 (the context extension factor), "
+                f"got {self.factor}",
+            )
         if t in ("llama3", "yarn"):
             m = self.original_max_len
             _check(

@@ -480,9 +480,12 @@ def test_rollback_then_decode_equals_never_having_seen_the_tokens(config):
 
 
 def test_rollback_never_lengthens_a_row():
+    """A length beyond the row's current one is refused (it used to be clamped silently)."""
     config = tiny_config()
     _, cache = forward(tiny_model(config), np.ones((1, 3), np.int32), cache=init_cache(config, 1, 8))
-    assert np.asarray(cache.rollback(np.array([7])).lengths).tolist() == [3]
+    with pytest.raises(CacheError, match="cannot roll row 0 back to length 7"):
+        cache.rollback(np.array([7]))
+    assert np.asarray(cache.lengths).tolist() == [3]
 
 
 def test_a_rollback_that_forgets_the_positions_is_caught(monkeypatch):

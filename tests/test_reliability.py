@@ -241,7 +241,7 @@ def test_edited_metadata_and_missing_checksums_are_refused(run, tmp_path):
     with pytest.raises(IntegrityError, match="checkpoint 4 .*metadata entries config do not match"):
         load_for_inference(workdir, step=4)
     shutil.rmtree(os.path.join(workdir, CHECKPOINT_DIR, "2", "integrity"))
-    with pytest.raises(IntegrityError, match=r"checkpoint 2 .*checksums \(integrity/\) cannot be read"):
+    with pytest.raises(IntegrityError, match=r"checkpoint 2 .*checksums \(integrity/\) are missing"):
         load_for_inference(workdir, step=2)
 
 

@@ -70,6 +70,7 @@ def test_num_samples_prints_each_sample_as_generate_draws_it(workdirs, capsys):
     argv = ["--workdir", workdirs["target"], "--prompt", "The ", "--max-new-tokens", "12", "--temperature", str(temp)]
     status, out, err = _generate(capsys, *argv, "--num-samples", str(n), "--seed", "4")
     assert status == 0 and "over 3 samples" in err[-1]
+    assert "per token of the longest sample, each pass serving all 3)" in err[-1]  # what the ratio counts
     model, tok, _ = load_for_inference(workdirs["target"])
     res = generate(
         model,

@@ -19,7 +19,14 @@ from causal_lm.data.tokenizer import HFTokenizer
 from causal_lm.interop.gguf import ARCHITECTURES, load_gguf
 from causal_lm.interop.hf_checkpoint import load_hf, save_hf
 from causal_lm.interop.hf_config import HFFormatError, read_hf_config
-from causal_lm.train.checkpoint import load_for_inference, save_for_inference
+from causal_lm.train.checkpoint import (
+    CHECKPOINT_DIR,
+    REFUSED_DIR,
+    Checkpointer,
+    CheckpointError,
+    load_for_inference,
+    save_for_inference,
+)
 
 
 def register(sub):
@@ -65,10 +72,38 @@ def register(sub):
         "see causal_lm.interop.hf_config.default_architecture; plain models as llama)",
     )
     p.add_argument("--step", default=None, help="with --to-hf: checkpoint step, 'latest' (default) or 'best'")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="with --from-hf / --from-gguf: convert into a workdir that already holds checkpoints, moving them to "
+        "WORKDIR/checkpoints_refused/ (without it such a workdir is refused)",
+    )
     p.set_defaults(func=run)
 
 
-def _save_converted(workdir: str, model, tokenizer) -> str:
+def existing_steps(workdir: str) -> list[int]:
+    """The checkpoint steps a workdir already holds (read from the directory names: no checkpoint library)."""
+    directory = os.path.join(workdir, CHECKPOINT_DIR)
+    if not os.path.isdir(directory):
+        return []
+    return sorted(int(d) for d in os.listdir(directory) if d.isdigit())
+
+
+def check_target_workdir(workdir: str, force: bool) -> list[int]:
+    """Refuse, before anything is read, a workdir that already holds checkpoints (a training run's): the converted
+    model would be written as step 0 beside them, and every command would go on using the newest of them.
+    With force, they are moved to checkpoints_refused/ when the converted model is saved. Returns their steps."""
+    steps = existing_steps(workdir)
+    if steps and not force:
+        raise CheckpointError(
+            f"{workdir} already holds checkpoints (steps {', '.join(map(str, steps))}): converting into it would "
+            "leave them the ones every command uses; use a new --workdir, or --force to move them to "
+            f"{os.path.join(workdir, REFUSED_DIR)}"
+        )
+    return steps
+
+
+def _save_converted(workdir: str, model, tokenizer, replace: list[int] = ()) -> str:
     """Write a converted model and its tokenizer as a checkpoint of `workdir` (generate, eval, train read it)."""
 
     mc = model.config
@@ -77,14 +112,22 @@ def _save_converted(workdir: str, model, tokenizer) -> str:
     train = TrainConfig(seq_len=min(TrainConfig().seq_len, mc.max_seq_len))
     data = DataConfig(tokenizer=os.path.join(os.path.abspath(workdir), "tokenizer", "tokenizer.json"))
     config = Config(model=mc, data=data, train=train)
+    if replace:
+        ckpt = Checkpointer(workdir)
+        try:
+            ckpt.move_aside([s for s in replace if s in ckpt.all_steps()])
+        finally:
+            ckpt.close()
     return save_for_inference(workdir, model, config, tokenizer)
 
 
 def convert_from_hf(
-    hf_dir: str, workdir: str, *, tokenizer_path=None, dtype: str = "float32", max_seq_len=None
+    hf_dir: str, workdir: str, *, tokenizer_path=None, dtype: str = "float32", max_seq_len=None, force: bool = False
 ) -> dict:
-    """Read `hf_dir` with load_hf and write it as a checkpoint of `workdir`. Returns a summary dict."""
+    """Read `hf_dir` with load_hf and write it as a checkpoint of `workdir`. Returns a summary dict. A workdir
+    that already holds checkpoints is refused unless force (see check_target_workdir)."""
 
+    replaced = check_target_workdir(workdir, force)
     model, tokenizer = load_hf(hf_dir, param_dtype=dtype, max_seq_len=max_seq_len)
     if tokenizer_path is not None:
         tokenizer = HFTokenizer.from_file(tokenizer_path)
@@ -93,7 +136,7 @@ def convert_from_hf(
             f"{hf_dir!r} has no tokenizer.json, which generate and eval need to turn text into "
             "ids; pass --tokenizer PATH/tokenizer.json"
         )
-    path = _save_converted(workdir, model, tokenizer)
+    path = _save_converted(workdir, model, tokenizer, replaced)
     arch = read_hf_config(hf_dir).get("architectures", ["?"])[0]
     return {
         "architecture": arch,
@@ -102,20 +145,23 @@ def convert_from_hf(
         "checkpoint": path,
         "tokenizer_vocab": tokenizer.vocab_size,
         "chat_template": getattr(tokenizer, "chat_template", None) is not None,
+        "replaced": replaced,
     }
 
 
 def convert_from_gguf(
-    gguf_file: str, workdir: str, *, tokenizer_path=None, dtype: str = "float32", max_seq_len=None
+    gguf_file: str, workdir: str, *, tokenizer_path=None, dtype: str = "float32", max_seq_len=None, force: bool = False
 ) -> dict:
-    """Read a GGUF file with load_gguf and write it as a checkpoint of `workdir`. Returns a summary dict."""
+    """Read a GGUF file with load_gguf and write it as a checkpoint of `workdir`. Returns a summary dict. A workdir
+    that already holds checkpoints is refused unless force (see check_target_workdir)."""
 
+    replaced = check_target_workdir(workdir, force)
     model, tokenizer = load_gguf(
         gguf_file, param_dtype=dtype, max_seq_len=max_seq_len, load_tokenizer=tokenizer_path is None
     )
     if tokenizer_path is not None:
         tokenizer = HFTokenizer.from_file(tokenizer_path)
-    path = _save_converted(workdir, model, tokenizer)
+    path = _save_converted(workdir, model, tokenizer, replaced)
     arch = ARCHITECTURES["qwen2" if model.config.qkv_bias else "llama"]
     return {
         "architecture": f"GGUF {arch}",
@@ -124,6 +170,7 @@ def convert_from_gguf(
         "checkpoint": path,
         "tokenizer_vocab": tokenizer.vocab_size,
         "chat_template": getattr(tokenizer, "chat_template", None) is not None,
+        "replaced": replaced,
     }
 
 
@@ -151,7 +198,14 @@ def run(args) -> int:
         if args.architecture is not None or args.step is not None:
             raise ValueError("--architecture and --step apply to --to-hf only")
         convert = convert_from_hf if args.from_hf else convert_from_gguf
-        r = convert(source, args.workdir, tokenizer_path=args.tokenizer, dtype=args.dtype, max_seq_len=args.max_seq_len)
+        r = convert(
+            source,
+            args.workdir,
+            tokenizer_path=args.tokenizer,
+            dtype=args.dtype,
+            max_seq_len=args.max_seq_len,
+            force=args.force,
+        )
         m = r["config"]
         window = f", sliding window {m.sliding_window}" if m.sliding_window else ""
         print(
@@ -160,6 +214,11 @@ def run(args) -> int:
             f"context {m.max_seq_len}, rope theta {m.rope_theta:g}{window}, "
             f"{'tied' if m.tie_embeddings else 'untied'} embeddings, {m.param_dtype}"
         )
+        if r["replaced"]:
+            print(
+                f"--force: moved the checkpoints it held (steps {', '.join(map(str, r['replaced']))}) to "
+                f"{os.path.join(args.workdir, REFUSED_DIR)}"
+            )
         print(f"wrote {r['checkpoint']}")
         print(f"next: causal-lm generate --workdir {args.workdir} --prompt '...'")
         if r.get("chat_template"):
@@ -167,6 +226,8 @@ def run(args) -> int:
         return 0
     if not args.out or args.workdir:
         raise ValueError("--to-hf WORKDIR needs --out DIR (and no --workdir)")
+    if args.force:
+        raise ValueError("--force applies to --from-hf / --from-gguf only")
     for name in ("tokenizer", "max_seq_len"):
         if getattr(args, name) is not None:
             raise ValueError(f"--{name.replace('_', '-')} applies to --from-hf / --from-gguf only")

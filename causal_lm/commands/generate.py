@@ -235,7 +235,12 @@ def _stats(args, res, seconds: float, first_s: str, first_call_s: float) -> str:
     rows = f" over {len(res.tokens)} samples" if len(res.tokens) > 1 else ""
     line = f"[{mode}] {n} tokens{rows} in {seconds:.3f}s = {n / seconds:.1f} tokens/s"
     # passes serve every sample at once: per token of the longest one
-    line += f"; target passes: {res.target_passes} ({res.target_passes / max(res.steps, 1):.2f} per token)"
+    per = (
+        "per token"
+        if len(res.tokens) == 1
+        else f"per token of the longest sample, each pass serving all {len(res.tokens)}"
+    )
+    line += f"; target passes: {res.target_passes} ({res.target_passes / max(res.steps, 1):.2f} {per})"
     if args.speculative is not None:
         share = res.draft_accepted / res.draft_proposed if res.draft_proposed else 0.0
         line += f"; drafts accepted: {res.draft_accepted}/{res.draft_proposed} ({100 * share:.0f}%)"

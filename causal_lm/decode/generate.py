@@ -35,6 +35,7 @@ from causal_lm.decode.speculative import speculative_resume_jit, speculative_sta
 from causal_lm.decode.streaming import StreamReporter
 from causal_lm.model.kv_cache import CACHE_DTYPES, init_cache, require_causal
 from causal_lm.model.transformer import Decoder
+from causal_lm.model.weights import check_weights
 
 __all__ = ["GenerateError", "GenerateResult", "bucket_length", "compile_count", "generate"]
 
@@ -339,6 +340,7 @@ def generate(
     num_samples: int = 1,
     max_new_bucket: int | None = None,
     mesh=None,
+    check_finite: bool = True,
 ) -> GenerateResult:
     """Generate up to `max_new_tokens` for each prompt (lists of token ids, any lengths) on the device.
 
@@ -357,6 +359,8 @@ def generate(
     copies of each prompt (in that order) draws with the same seed.
     mesh: run on this `causal_lm.parallel` mesh (weights placed by the partition rules if they are not on it
     already). Default: the mesh the model's weights are laid out on, if any, else one device.
+    check_finite: refuse (WeightError, before anything runs) a model or draft whose parameters hold NaN or
+    infinity, naming the parameter; False: warn once and go on. Each array is reduced once, not per call.
     """
     c = model.config
     prompts = _check_prompts(prompts, c.vocab_size)
@@ -394,9 +398,11 @@ def generate(
     scalars = (np.float32(temperature), np.int32(top_k or 0), np.float32(1.0 if top_p is None else top_p), stop)
 
     graphdef, state = nnx.split(model)
+    check_weights(state, warn=not check_finite)
     draft_graphdef = draft_state = None
     if isinstance(draft, Decoder):
         draft_graphdef, draft_state = nnx.split(draft)
+        check_weights(draft_state, what="the draft model", warn=not check_finite)
     if mesh is None:
         mesh = parallel.mesh_of(state)
     if mesh is None:

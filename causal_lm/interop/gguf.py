@@ -55,6 +55,7 @@ from causal_lm.data.tokenizer import HFTokenizer
 from causal_lm.interop.chat import end_of_turn_id
 from causal_lm.interop.hf_config import HFFormatError, model_config_from_hf
 from causal_lm.interop.hf_weights import model_from_params, read_params
+from causal_lm.model.weights import check_tensor
 
 # general.architecture -> the Hugging Face architecture computing the same network
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -248,11 +249,12 @@ def dequantize_tensor(t) -> np.ndarray:
 
 
 class _GGUFTensors:
-    """A GGUF file's tensors by Hugging Face name (hf_weights.TensorSource): dequantized, Q/K rows unpermuted."""
+    """A GGUF file's tensors by Hugging Face name (hf_weights.TensorSource): dequantized, Q/K rows unpermuted, and
+    checked finite and within a sane magnitude (GGUF carries no checksum)."""
 
-    def __init__(self, reader, config, arch: str):
+    def __init__(self, reader, config, arch: str, source: str = "the GGUF file"):
         self.tensors = {t.name: t for t in reader.tensors}
-        self.config, self.arch = config, arch
+        self.config, self.arch, self.source = config, arch, source
 
     def name(self, hf_name: str) -> str:
         gname = _HF_TO_GGUF.get(hf_name)
@@ -265,6 +267,7 @@ class _GGUFTensors:
         if name not in self.tensors:
             raise GGUFFormatError(f"the file has no tensor {name!r} (expected shape {list(expected)})")
         w = dequantize_tensor(self.tensors[name])
+        check_tensor(w, name, self.source)
         if w.shape != expected:
             raise GGUFFormatError(f"tensor {name!r} has shape {list(w.shape)}, expected {list(expected)}")
         if self.arch in _PERMUTED and (".attn_q." in name or ".attn_k." in name):
@@ -272,9 +275,10 @@ class _GGUFTensors:
         return w
 
 
-def load_gguf_params(reader, config, arch: str) -> dict:
-    """Our parameters (nested dict of numpy arrays in config.param_dtype), dequantized, unpermuted, checked."""
-    source = _GGUFTensors(reader, config, arch)
+def load_gguf_params(reader, config, arch: str, source: str = "the GGUF file") -> dict:
+    """Our parameters (nested dict of numpy arrays in config.param_dtype), dequantized, unpermuted, checked (shapes,
+    and every tensor finite and within a sane magnitude)."""
+    source = _GGUFTensors(reader, config, arch, source)
     params, used = read_params(config, source)
     extra = sorted(set(source.tensors) - used)
     if extra:
@@ -452,5 +456,5 @@ def load_gguf(
         raise GGUFFormatError(f"{path!r}: {str(e).replace('config.json', 'the GGUF metadata')}") from None
     # The tokenizer first: it is quick, and a vocabulary that cannot be rebuilt should fail before the weights.
     tokenizer = gguf_tokenizer(meta, source=path) if load_tokenizer else None
-    model = model_from_params(config, load_gguf_params(reader, config, meta["general.architecture"]))
+    model = model_from_params(config, load_gguf_params(reader, config, meta["general.architecture"], path))
     return model, tokenizer

@@ -30,6 +30,7 @@ from causal_lm.interop.hf_config import (
     hf_config_from_model,
     model_config_from_hf,
     read_hf_config,
+    read_json,
 )
 from causal_lm.interop.hf_weights import model_from_params, param_table
 
@@ -53,6 +54,7 @@ __all__ = [
     "model_from_params",
     "param_table",
     "read_hf_config",
+    "read_json",
     "read_hf_tokenizer",
     "read_tokenizer_settings",
     "save_hf",

@@ -19,8 +19,15 @@ from causal_lm.config import ModelConfig
 from causal_lm.data.tokenizer import HFTokenizer, TokenizerError
 from causal_lm.data.tokenizer_json import write_tokenizer_json
 from causal_lm.interop.chat import end_of_turn_id, read_chat_template
-from causal_lm.interop.hf_config import HFFormatError, hf_config_from_model, model_config_from_hf, read_hf_config
+from causal_lm.interop.hf_config import (
+    HFFormatError,
+    hf_config_from_model,
+    model_config_from_hf,
+    read_hf_config,
+    read_json,
+)
 from causal_lm.interop.hf_weights import model_from_params, read_params, shape_text, tensors_from_params
+from causal_lm.model.weights import check_tensor
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -38,8 +45,8 @@ class _Tensors:
         index = os.path.join(path, INDEX_NAME)
         single = os.path.join(path, WEIGHTS_NAME)
         if os.path.isfile(index):
-            with open(index) as f:
-                weight_map = json.load(f).get("weight_map")
+            weight_map = read_json(index)
+            weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
             if not isinstance(weight_map, dict):
                 raise HFFormatError(f"{index} has no weight_map")
             files = sorted(set(weight_map.values()))
@@ -62,7 +69,7 @@ class _Tensors:
         self.files = {}
         self.where: dict[str, str] = {}
         for fname in files:
-            handle = safe_open(os.path.join(path, fname), framework="numpy")
+            handle = self._guard(fname, lambda fname=fname: safe_open(os.path.join(path, fname), framework="numpy"))
             self.files[fname] = handle
             for name in handle.keys():
                 self.where[name] = fname
@@ -70,11 +77,29 @@ class _Tensors:
     def names(self) -> set:
         return set(self.where)
 
+    def _guard(self, fname: str, read):
+        """read(), with the safetensors library's errors (a truncated or malformed file) as one HFFormatError
+        naming the file: safetensors carries no checksum, so damage shows up as a parse error or not at all."""
+        try:
+            return read()
+        except OSError:
+            raise
+        except Exception as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise HFFormatError(
+                f"{os.path.join(self.path, fname)} cannot be read as safetensors (truncated or damaged?): {first}"
+            ) from None
+
     def shape(self, name: str) -> tuple:
-        return tuple(self.files[self.where[name]].get_slice(name).get_shape())
+        fname = self.where[name]
+        return tuple(self._guard(fname, lambda: self.files[fname].get_slice(name).get_shape()))
 
     def get(self, name: str) -> np.ndarray:
-        return self.files[self.where[name]].get_tensor(name)
+        """The tensor, checked finite and within a sane magnitude (WeightError naming it and its file)."""
+        fname = self.where[name]
+        w = self._guard(fname, lambda: self.files[fname].get_tensor(name))
+        check_tensor(w, name, os.path.join(self.path, fname))
+        return w
 
     def name(self, hf_name: str) -> str:  # (hf_weights.TensorSource)
         return hf_name
@@ -142,8 +167,7 @@ def _special_ids(path: str, hf: dict) -> dict:
     ids = {k: hf.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
     gen_path = os.path.join(path, "generation_config.json")
     if os.path.isfile(gen_path):
-        with open(gen_path) as f:
-            gen = json.load(f)
+        gen = read_json(gen_path)
         ids.update({k: gen[k] for k in ids if gen.get(k) is not None})
     out = {}
     for k, v in ids.items():
@@ -160,8 +184,7 @@ def _eos_ids(path: str, hf: dict) -> list[int]:
     gen_path = os.path.join(path, "generation_config.json")
     sources = [hf]
     if os.path.isfile(gen_path):
-        with open(gen_path) as f:
-            sources.insert(0, json.load(f))
+        sources.insert(0, read_json(gen_path))
     for src in sources:
         v = src.get("eos_token_id")
         for i in v if isinstance(v, list) else [v]:
@@ -184,8 +207,7 @@ def read_tokenizer_settings(path: str, hf: dict, inner) -> dict:
     tc_path = os.path.join(path, "tokenizer_config.json")
     tc: dict = {}
     if os.path.isfile(tc_path):
-        with open(tc_path, encoding="utf-8") as f:
-            tc = json.load(f)
+        tc = read_json(tc_path)
     names = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
     special = {k: _token_text(tc.get(k)) for k in names}
     special = {k: v for k, v in special.items() if v is not None}
@@ -254,6 +276,9 @@ def save_hf(model, tokenizer, out_dir: str, *, architecture: str | None = None) 
     tensors = hf_tensors_from_model(model)
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, WEIGHTS_NAME), metadata={"format": "pt"})
+    umask = os.umask(0)  # safetensors creates the file 0600: make it as readable as the other files here
+    os.umask(umask)
+    os.chmod(os.path.join(out_dir, WEIGHTS_NAME), 0o666 & ~umask)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
     gen = {

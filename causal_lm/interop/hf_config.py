@@ -68,8 +68,19 @@ def read_hf_config(path: str) -> dict:
         raise HFFormatError(
             f"{path!r} has no config.json; expected a Hugging Face checkpoint folder (config.json + model.safetensors)"
         )
-    with open(cfg_path) as f:
-        return json.load(f)
+    return read_json(cfg_path)
+
+
+def read_json(file: str):
+    """A JSON file of a checkpoint folder; one HFFormatError naming the file and the position if it does not parse."""
+    with open(file, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise HFFormatError(
+            f"{file} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno} (a truncated or hand-edited file?)"
+        ) from None
 
 
 def _architecture(hf: dict) -> str:

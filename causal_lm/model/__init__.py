@@ -15,12 +15,14 @@ Module map (where to add what):
                      (a local theta, NoPE layers)
     transformer.py   Block, Decoder (embed -> scanned blocks -> logits), ModelOutput
     functional.py    jitted pure entry point over a split model
+    weights.py       check_weights: NaN / infinite (or absurdly large) parameters refused before compute
 """
 
 from causal_lm.model.kernels import attention, attention_weights, reference_attention
 from causal_lm.model.kv_cache import CacheError, KVCache, init_cache
 from causal_lm.model.mask import AttentionMask, make_mask
 from causal_lm.model.transformer import Decoder, InputError, ModelOutput, build_model
+from causal_lm.model.weights import WeightError, check_weights
 
 __all__ = [
     "attention",
@@ -35,4 +37,6 @@ __all__ = [
     "InputError",
     "ModelOutput",
     "build_model",
+    "WeightError",
+    "check_weights",
 ]

@@ -11,6 +11,8 @@ import functools
 import jax
 from flax import nnx
 
+from causal_lm.model.weights import check_weights
+
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
 def _forward(state, tokens, positions, segment_ids, cache, *, graphdef):
@@ -20,8 +22,9 @@ def _forward(state, tokens, positions, segment_ids, cache, *, graphdef):
 def forward(model, tokens, *, positions=None, segment_ids=None, cache=None):
     """Jitted `model(tokens, ...)`: (logits [B, T, V] float32, new cache or None). The cache is donated.
 
-    Inputs are validated on the host first (token ids, lengths, cache capacity), before any compute.
+    Inputs are validated on the host first (token ids, lengths, cache capacity, finite weights), before any compute.
     """
     model.validate(tokens, positions, segment_ids, cache)
     graphdef, state = nnx.split(model)
+    check_weights(state)
     return _forward(state, tokens, positions, segment_ids, cache, graphdef=graphdef)

@@ -201,7 +201,24 @@ class KVCache:
         or after the new length become empty, as if those tokens had never been written.
 
         A ring (local layer) can undo at most `lookahead` tokens (its slots beyond the window): further back, the
-        undone tokens overwrote keys still inside the window. Checked on the host when the lengths are concrete."""
+        undone tokens overwrote keys still inside the window. Checked on the host when the lengths are concrete,
+        with lengths that are negative or beyond a row's current one (inside jit: clamped to the current ones)."""
+        if not isinstance(lengths, jax.core.Tracer) and not isinstance(self.lengths, jax.core.Tracer):
+            asked = np.asarray(lengths)
+            current = np.asarray(self.lengths)
+            if not np.issubdtype(asked.dtype, np.integer) or asked.shape not in ((), current.shape):
+                raise CacheError(
+                    f"rollback takes integer lengths, one per row ({current.shape[0]} rows), got "
+                    f"{asked.dtype} of shape {asked.shape}"
+                )
+            asked = np.broadcast_to(asked, current.shape)
+            bad = np.flatnonzero((asked < 0) | (asked > current))
+            if bad.size:
+                row = int(bad[0])
+                raise CacheError(
+                    f"cannot roll row {row} back to length {int(asked[row])}: a rollback keeps between 0 and the "
+                    f"row's current {int(current[row])} tokens"
+                )
         lengths = jnp.minimum(jnp.asarray(lengths, jnp.int32), self.lengths)
         if not isinstance(lengths, jax.core.Tracer) and not isinstance(self.lengths, jax.core.Tracer):
             undone = int(np.max(np.asarray(self.lengths) - np.asarray(lengths), initial=0))
@@ -322,6 +339,86 @@ def entry_shapes(config: ModelConfig) -> dict:
     return {"k": (config.num_kv_heads, config.head_dim), "v": (config.num_kv_heads, config.head_dim)}
 
 
+def storage_name(dtype) -> str:
+    """The CACHE_DTYPES name of a storage type given by name or dtype; CacheError for anything else."""
+    try:
+        name = str(jnp.dtype(dtype)) if dtype != "float8_e4m3fn" else dtype
+    except TypeError:  # not a dtype at all ("foo")
+        name = None
+    if name not in CACHE_DTYPES:
+        raise CacheError(f"cache dtype must be one of {', '.join(CACHE_DTYPES)}, got {dtype!r}")
+    return name
+
+
+def check_cache_matches(config: ModelConfig, cache) -> None:
+    """Raise CacheError naming the first field in which `cache` differs from what init_cache builds for `config`
+    (layers and their groups, the cached entries, KV heads, head dim, MLA ranks, each group's window and capacity,
+    the storage type, the rows). Static shapes and metadata only: free inside jit, where it runs while tracing."""
+    if not isinstance(cache, KVCache):
+        raise CacheError(f"cache must be a KVCache from init_cache, got {type(cache).__name__}")
+
+    def refuse(field, got, want):
+        raise CacheError(
+            f"this cache was not built for this model: {field} is {got} in the cache, {want} in the model "
+            "(build the cache with init_cache(model.config, ...))"
+        )
+
+    if cache.num_layers != config.num_layers:
+        refuse("the number of layers", cache.num_layers, config.num_layers)
+    want_groups = layer_groups(config, cache.max_len)
+    got_layout = [(g.window, tuple(g.layers)) for g in cache.groups]
+    want_layout = [(w, layers) for w, _, layers in want_groups]
+    if len(got_layout) != len(want_layout):
+        refuse("the number of layer groups (one per window)", len(got_layout), len(want_layout))
+    for (gw, gl), (ww, wl) in zip(got_layout, want_layout, strict=True):
+        if gl != wl:
+            refuse("a group's layers", list(gl), list(wl))
+        if gw != ww:
+            refuse(f"the window of layers {list(wl)}", gw, ww)
+    entries = entry_shapes(config)
+    if tuple(cache.names) != tuple(entries):
+        refuse("what each slot holds", "/".join(cache.names), "/".join(entries))
+    if cache.storage not in CACHE_DTYPES:
+        refuse("the storage type", repr(cache.storage), f"one of {', '.join(CACHE_DTYPES)}")
+    scaled = CACHE_DTYPES[cache.storage] is not None
+    labels = (
+        {"latent": ("kv_lora_rank",), "rope_key": ("the rope key dim",)}
+        if config.attention_type == "mla"
+        else {"k": ("num_kv_heads", "head_dim"), "v": ("num_kv_heads", "head_dim")}
+    )
+    B = cache.batch_size
+    for g, (w, _, layers) in zip(cache.groups, want_groups, strict=True):
+        C = g.capacity
+        if tuple(g.positions.shape) != (B, C):
+            refuse(f"the slot positions' shape of layers {list(layers)}", list(g.positions.shape), [B, C])
+        if w == 0 and C != cache.max_len:
+            refuse(f"the capacity of the global layers {list(layers)}", C, f"max_len={cache.max_len}")
+        if w and not min(w, cache.max_len) <= C <= cache.max_len:
+            refuse(
+                f"the ring capacity of the local layers {list(layers)} (window {w})",
+                C,
+                f"between {min(w, cache.max_len)} and max_len={cache.max_len}",
+            )
+        want_names = set(entries) | ({n + "_scale" for n in entries} if scaled else set())
+        if set(g.arrays) != want_names:
+            refuse(f"the arrays of storage {cache.storage!r}", sorted(g.arrays), sorted(want_names))
+        lead = (len(layers), B, C)
+        for name, entry in entries.items():
+            a = g.arrays[name]
+            shape = tuple(a.shape)
+            if shape[:3] != lead:
+                refuse(f"{name!r}'s [layers, rows, slots] of layers {list(layers)}", list(shape[:3]), list(lead))
+            if shape[3:] != entry:
+                if len(shape[3:]) == len(entry):
+                    i = next(i for i, (x, y) in enumerate(zip(shape[3:], entry, strict=True)) if x != y)
+                    refuse(labels[name][i], shape[3 + i], entry[i])
+                refuse(f"{name!r}'s entry shape", list(shape[3:]), list(entry))
+            if str(a.dtype) != cache.storage:
+                refuse(f"the storage type of {name!r}", str(a.dtype), cache.storage)
+            if scaled and tuple(g.arrays[name + "_scale"].shape) != lead + entry[:-1]:
+                refuse(f"{name}_scale's shape", list(g.arrays[name + "_scale"].shape), list(lead + entry[:-1]))
+
+
 def layer_groups(config: ModelConfig, max_len: int, lookahead: int = 0) -> list:
     """[(window, capacity, layers)] for a cache of `max_len` tokens: one group per distinct window.
 
@@ -345,18 +442,11 @@ def init_cache(
     the most tokens one call may write and later roll back (see the module docstring).
     """
     require_causal(config)
-    if not (
-        isinstance(batch_size, int | np.integer)
-        and batch_size > 0
-        and isinstance(max_len, int | np.integer)
-        and max_len > 0
-    ):
-        raise CacheError(f"batch_size and max_len must be positive integers, got {batch_size!r} and {max_len!r}")
-    storage = str(jnp.dtype(dtype or config.dtype)) if dtype != "float8_e4m3fn" else dtype
-    if storage not in CACHE_DTYPES:
-        raise CacheError(f"cache dtype must be one of {tuple(CACHE_DTYPES)}, got {dtype!r}")
-    if lookahead < 0:
-        raise CacheError(f"lookahead must be >= 0, got {lookahead}")
+    for name, value, least in (("batch_size", batch_size, 1), ("max_len", max_len, 1), ("lookahead", lookahead, 0)):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < least:
+            kind = "a positive integer" if least else "an integer >= 0"
+            raise CacheError(f"init_cache: {name} must be {kind}, got {value!r}")
+    storage = storage_name(dtype or config.dtype)
     store = jnp.dtype(storage)
     scaled = CACHE_DTYPES[storage] is not None
     groups = []
@@ -413,9 +503,7 @@ def cache_bytes(
     if dtype is None and bytes_per_element is None:
         dtype = config.dtype
     if dtype is not None:
-        dtype = str(jnp.dtype(dtype)) if dtype != "float8_e4m3fn" else dtype
-        if dtype not in CACHE_DTYPES:
-            raise CacheError(f"cache dtype must be one of {tuple(CACHE_DTYPES)}, got {dtype!r}")
+        dtype = storage_name(dtype)
         element, scaled = jnp.dtype(dtype).itemsize, CACHE_DTYPES[dtype] is not None
     else:
         element, scaled = int(bytes_per_element), False

@@ -21,11 +21,12 @@ from flax import nnx
 from causal_lm.config import ModelConfig
 from causal_lm.model.attention import Attention
 from causal_lm.model.context import AttentionContext
-from causal_lm.model.kv_cache import KVCache, check_capacity, require_causal
+from causal_lm.model.kv_cache import KVCache, check_cache_matches, check_capacity, require_causal
 from causal_lm.model.layers import MLP, norm, normal_param, project
 from causal_lm.model.mask import AttentionMask, increasing_within_segments, make_mask, segment_positions
 from causal_lm.model.mla import MLAttention
 from causal_lm.model.rope import layer_rope_tables
+from causal_lm.model.weights import check_weights
 
 # The projection outputs `model.remat=minimal` keeps for the backward pass (named with checkpoint_name where they
 # are computed: attention.py, mla.py, layers.py); everything else in a block is recomputed from them.
@@ -141,6 +142,8 @@ class Decoder(nnx.Module):
         row. They are accepted by default on purpose: positions, not array order, define what the mask lets a
         token see, and repeated or decreasing ones mean exactly what the mask's formula says."""
         c = self.config
+        if cache is not None:  # static shapes and metadata: checked while tracing too
+            check_cache_matches(c, cache)
         if not _is_concrete(tokens, positions, segment_ids, None if cache is None else cache.lengths):
             return
         t = np.asarray(tokens)
@@ -164,8 +167,6 @@ class Decoder(nnx.Module):
             require_causal(c)
             if cache.batch_size != t.shape[0]:
                 raise InputError(f"cache holds {cache.batch_size} rows but tokens have {t.shape[0]}")
-            if cache.num_layers != c.num_layers:
-                raise InputError(f"cache holds {cache.num_layers} layers but the model has {c.num_layers}")
             lengths = np.asarray(cache.lengths)
             n_valid = t.shape[1] if segment_ids is None else np.asarray(segment_ids != 0).sum(1)
             check_capacity(cache, n_valid)
@@ -203,8 +204,13 @@ class Decoder(nnx.Module):
         layers=None,
     ) -> ModelOutput:
         """The whole forward pass as a `ModelOutput`. input_embeddings [B, T, D] replaces the token lookup (for
-        gradient probes such as the no-leak test); tokens still give the shape."""
+        gradient probes such as the no-leak test); tokens still give the shape.
+
+        Called eagerly (concrete weights), the parameters are checked finite first, once per array object (see
+        `causal_lm.model.weights`); under jit the caller checks them (generate, functional.forward)."""
         self.validate(tokens, positions, segment_ids, cache)
+        if not isinstance(self.embed[...], jax.core.Tracer):
+            check_weights(self)
         c = self.config
         dt = jnp.dtype(c.dtype)
         tokens = jnp.asarray(tokens, jnp.int32)

@@ -135,8 +135,9 @@ class Checkpointer:
         from orbax.checkpoint import checkpoint_managers as cm
 
         self.directory = os.path.join(os.path.abspath(workdir), CHECKPOINT_DIR)
+        self.shown = os.path.join(workdir, CHECKPOINT_DIR)  # in messages: the path as the user gave it
         if read_only and not os.path.isdir(self.directory):
-            raise CheckpointError(f"no checkpoints in {workdir!r} (expected {self.directory}); train there first")
+            raise CheckpointError(f"no checkpoints in {workdir!r} (expected {self.shown}); train there first")
         if os.path.exists(self.directory) and not os.path.isdir(self.directory):
             # orbax would find out at the first save, after the training it was meant to keep
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), self.directory)
@@ -180,13 +181,13 @@ class Checkpointer:
             meta = self._read_json(step, "meta")
         except Exception as e:
             raise IntegrityError(
-                step, f"checkpoint {step} in {self.directory}: its metadata (meta/) cannot be read: {_short(e)}"
+                step, f"checkpoint {step} in {self.shown}: its metadata (meta/) cannot be read: {_short(e)}"
             ) from None
         if not isinstance(meta, dict) or "config" not in meta:
-            raise IntegrityError(step, f"checkpoint {step} in {self.directory} has no causal_lm metadata")
+            raise IntegrityError(step, f"checkpoint {step} in {self.shown} has no causal_lm metadata")
         if meta.get("version", 1) < 2:
             note(
-                f"checkpoint {step} in {self.directory} was written before checkpoints carried checksums: "
+                f"checkpoint {step} in {self.shown} was written before checkpoints carried checksums: "
                 "it is read without verification"
             )
             return meta
@@ -196,24 +197,27 @@ class Checkpointer:
         if bad:
             raise IntegrityError(
                 step,
-                f"checkpoint {step} in {self.directory} is damaged: its metadata entries {', '.join(bad)} do not "
+                f"checkpoint {step} in {self.shown} is damaged: its metadata entries {', '.join(bad)} do not "
                 "match their recorded SHA-256",
             )
         return meta
 
     def read_integrity(self, step: int) -> dict:
+        if os.path.isdir(self.step_dir(step)) and not os.path.isdir(os.path.join(self.step_dir(step), "integrity")):
+            raise IntegrityError(
+                step,
+                f"checkpoint {step} in {self.shown} is damaged: its checksums (integrity/) are missing, so what it "
+                "holds cannot be verified",
+            )
         try:
             record = self._read_json(step, "integrity")
         except Exception as e:
             raise IntegrityError(
                 step,
-                f"checkpoint {step} in {self.directory} is damaged: its checksums (integrity/) cannot be read: "
-                f"{_short(e)}",
+                f"checkpoint {step} in {self.shown} is damaged: its checksums (integrity/) cannot be read: {_short(e)}",
             ) from None
         if not isinstance(record, dict) or "arrays" not in record or "json" not in record:
-            raise IntegrityError(
-                step, f"checkpoint {step} in {self.directory} is damaged: integrity/ holds no checksums"
-            )
+            raise IntegrityError(step, f"checkpoint {step} in {self.shown} is damaged: integrity/ holds no checksums")
         return record
 
     def best_step(self) -> int | None:
@@ -303,7 +307,7 @@ class Checkpointer:
         self.manager.reload()
         steps = self.all_steps()
         return CheckpointError(
-            f"saving checkpoint {failed.group(1) if failed else step} in {self.directory} failed: {reason}; "
+            f"saving checkpoint {failed.group(1) if failed else step} in {self.shown} failed: {reason}; "
             + (
                 f"the checkpoints already written ({', '.join(map(str, steps))}) are untouched"
                 if steps
@@ -318,8 +322,7 @@ class Checkpointer:
         bad = shape_mismatches(meta.get("param_shapes", {}), param_shapes(abstract_params))
         if bad:
             raise CheckpointError(
-                f"checkpoint {step} in {self.directory} does not fit this model; parameters that differ:\n"
-                + "\n".join(bad)
+                f"checkpoint {step} in {self.shown} does not fit this model; parameters that differ:\n" + "\n".join(bad)
             )
         record = self.read_integrity(step) if meta.get("version", 1) >= 2 else None
         saved_arrays = record["arrays"] if record else {}
@@ -336,7 +339,7 @@ class Checkpointer:
             gone = not os.path.isdir(self.step_dir(step))
             raise IntegrityError(
                 step,
-                f"checkpoint {step} in {self.directory} "
+                f"checkpoint {step} in {self.shown} "
                 + ("was removed while it was being read" if gone else f"is damaged: {_read_error(e)}"),
             ) from None
         restored = {k: out[k] for k in targets}
@@ -344,19 +347,19 @@ class Checkpointer:
             records = integrity.array_records(tree)
             if record is not None:
                 if k not in saved_arrays:
-                    raise IntegrityError(step, f"checkpoint {step} in {self.directory} has no checksums for {k}/")
+                    raise IntegrityError(step, f"checkpoint {step} in {self.shown} has no checksums for {k}/")
                 diff = integrity.compare(saved_arrays[k], records)
                 if diff:
                     raise IntegrityError(
                         step,
-                        f"checkpoint {step} in {self.directory} is damaged: what was read is not what was saved: "
+                        f"checkpoint {step} in {self.shown} is damaged: what was read is not what was saved: "
                         + "; ".join(f"{k}.{line}" for line in diff[:8])
                         + (f" (and {len(diff) - 8} more)" if len(diff) > 8 else ""),
                     )
             if k == "params" and (nan := integrity.non_finite(records)):
                 raise IntegrityError(
                     step,
-                    f"checkpoint {step} in {self.directory} holds non-finite parameters (NaN or infinity) in "
+                    f"checkpoint {step} in {self.shown} holds non-finite parameters (NaN or infinity) in "
                     + ", ".join(nan[:8])
                     + (f" and {len(nan) - 8} more" if len(nan) > 8 else ""),
                 )
