@@ -552,6 +552,14 @@ MUTANTS = [
     ),
     # ---- a cache belongs to its model / finite weights (issue 33) ----
     dict(
+        name="paged-cache-match-skipped",
+        file="causal_lm/model/paged_cache.py",
+        old="        if got_layout != want_layout:\n            refuse(",
+        new="        if False:\n            refuse(",
+        tests=["tests/test_misuse.py::test_the_engines_paged_cache_of_another_layout_is_refused_naming_the_field"],
+        why="the engine's pages accepted for a model with other windows (attention over the wrong layout)",
+    ),
+    dict(
         name="cache-match-ignores-entry-shapes",
         file="causal_lm/model/kv_cache.py",
         old="if shape[3:] != entry:",

@@ -48,6 +48,27 @@ def test_a_cache_of_another_layout_is_refused_naming_the_field(cache_config, fie
     assert field in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "cache_config, field",
+    [
+        (dict(num_kv_heads=4), "num_kv_heads is 4 in the cache, 2 in the model"),
+        (dict(head_dim=16), "head_dim is 16 in the cache, 8 in the model"),
+        (dict(sliding_window=4), "the layer groups (window, layers) is [(4, (0, 1))] in the cache, [(0, (0, 1))]"),
+    ],
+    ids=["kv_heads", "head_dim", "window"],
+)
+def test_the_engines_paged_cache_of_another_layout_is_refused_naming_the_field(cache_config, field):
+    """The engine's pages go through the same check (PagedKVCache.check_matches), against init_pool's layout."""
+    from causal_lm.model.paged_cache import PagedKVCache, init_pool
+
+    model = tiny_model(tiny_config())
+    pool = init_pool(tiny_config().replace(**cache_config), 4, 4)
+    cache = PagedKVCache(pool=pool, table=jnp.zeros((1, 4), jnp.int32), lengths=jnp.zeros((1,), jnp.int32))
+    with pytest.raises(CacheError, match="not built for this model") as e:
+        model(TOKENS, cache=cache)
+    assert field in str(e.value)
+
+
 def test_a_cache_whose_storage_type_is_not_its_arrays_is_refused():
     config = tiny_config()
     model = tiny_model(config)

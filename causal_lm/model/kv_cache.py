@@ -350,18 +350,31 @@ def storage_name(dtype) -> str:
     return name
 
 
+def refuse_mismatch(field, got, want, build="init_cache(model.config, ...)"):
+    """The CacheError of a cache built for another model, naming the first field that differs."""
+    raise CacheError(
+        f"this cache was not built for this model: {field} is {got} in the cache, {want} in the model "
+        f"(build the cache with {build})"
+    )
+
+
+def entry_labels(config: ModelConfig) -> dict:
+    """name -> the config field behind each dim of entry_shapes(config)[name], for CacheError messages."""
+    if config.attention_type == "mla":
+        return {"latent": ("kv_lora_rank",), "rope_key": ("the rope key dim",)}
+    return {"k": ("num_kv_heads", "head_dim"), "v": ("num_kv_heads", "head_dim")}
+
+
 def check_cache_matches(config: ModelConfig, cache) -> None:
     """Raise CacheError naming the first field in which `cache` differs from what init_cache builds for `config`
     (layers and their groups, the cached entries, KV heads, head dim, MLA ranks, each group's window and capacity,
     the storage type, the rows). Static shapes and metadata only: free inside jit, where it runs while tracing."""
     if not isinstance(cache, KVCache):
-        raise CacheError(f"cache must be a KVCache from init_cache, got {type(cache).__name__}")
-
-    def refuse(field, got, want):
-        raise CacheError(
-            f"this cache was not built for this model: {field} is {got} in the cache, {want} in the model "
-            "(build the cache with init_cache(model.config, ...))"
-        )
+        check = getattr(cache, "check_matches", None)  # another cache type (the engine's pages) checks itself
+        if check is None:
+            raise CacheError(f"cache must be a KVCache from init_cache, got {type(cache).__name__}")
+        return check(config)
+    refuse = refuse_mismatch
 
     if cache.num_layers != config.num_layers:
         refuse("the number of layers", cache.num_layers, config.num_layers)
@@ -381,11 +394,7 @@ def check_cache_matches(config: ModelConfig, cache) -> None:
     if cache.storage not in CACHE_DTYPES:
         refuse("the storage type", repr(cache.storage), f"one of {', '.join(CACHE_DTYPES)}")
     scaled = CACHE_DTYPES[cache.storage] is not None
-    labels = (
-        {"latent": ("kv_lora_rank",), "rope_key": ("the rope key dim",)}
-        if config.attention_type == "mla"
-        else {"k": ("num_kv_heads", "head_dim"), "v": ("num_kv_heads", "head_dim")}
-    )
+    labels = entry_labels(config)
     B = cache.batch_size
     for g, (w, _, layers) in zip(cache.groups, want_groups, strict=True):
         C = g.capacity

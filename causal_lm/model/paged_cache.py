@@ -36,7 +36,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from causal_lm.config import ModelConfig
-from causal_lm.model.kv_cache import CACHE_DTYPES, CacheError, entry_shapes, quantize, require_causal
+from causal_lm.model.kv_cache import (
+    CACHE_DTYPES,
+    CacheError,
+    entry_labels,
+    entry_shapes,
+    quantize,
+    refuse_mismatch,
+    require_causal,
+)
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -128,6 +136,35 @@ class PagedKVCache:
         return self.table.shape[1] * self.pool.page_size
 
     bounded = True
+
+    def check_matches(self, config: ModelConfig) -> None:
+        """CacheError naming the first field in which the pool differs from what init_pool builds for `config`
+        (layer groups and windows, what a slot holds, the storage type, each array's entry shape). Static shapes
+        only (jax.eval_shape builds nothing): free inside jit, where the decoder calls it while tracing."""
+        pool = self.pool
+
+        def refuse(field, got, want):
+            refuse_mismatch(field, got, want, build="Engine(model, ...) or init_pool(model.config, ...)")
+
+        want = jax.eval_shape(lambda: init_pool(config, pool.num_pages, pool.page_size, pool.storage))
+        got_layout = [(g.window, tuple(g.layers)) for g in pool.groups]
+        want_layout = [(g.window, tuple(g.layers)) for g in want.groups]
+        if got_layout != want_layout:
+            refuse("the layer groups (window, layers)", got_layout, want_layout)
+        if tuple(pool.names) != tuple(want.names):
+            refuse("what each slot holds", "/".join(pool.names), "/".join(want.names))
+        labels = entry_labels(config)
+        for g, w in zip(pool.groups, want.groups, strict=True):
+            if set(g.arrays) != set(w.arrays):
+                refuse(f"the arrays of storage {pool.storage!r}", sorted(g.arrays), sorted(w.arrays))
+            for name, a in w.arrays.items():
+                got = tuple(g.arrays[name].shape)
+                if got != tuple(a.shape):
+                    dims = [i for i, (x, y) in enumerate(zip(got, a.shape, strict=False)) if x != y]
+                    i = dims[0] if dims and len(got) == len(a.shape) else None
+                    if name in labels and i is not None and i >= 3:
+                        refuse(labels[name][i - 3], got[i], a.shape[i])
+                    refuse(f"{name!r}'s shape of layers {list(w.layers)}", list(got), list(a.shape))
 
     def locate(self, layer):
         """(group index, index within the group) of a model layer (traced only with a single group)."""
