@@ -1,4 +1,4 @@
-"""The README's commands run: see tests/doc_commands.py.
+"""The README's commands run, with those of docs/model.md and docs/development.md: see tests/doc_commands.py.
 
 The other docs/ pages run in tests/test_docs_*.py, one module per group of pages, so that the groups run on
 different workers. This module also holds the parser's own tests.
