@@ -3,7 +3,7 @@
 XLA:CPU allocates a program's temporaries afresh on every call (a 135M training step: 6 GB; a 135M `generate`
 call: the decode loop's copy of the layers' weights, 425 MB, and the cache). glibc's malloc serves every block
 over its mmap threshold (at most 32 MiB) with a fresh `mmap` and unmaps it on free, so the kernel zero-fills
-those pages again on the next call: measurable time on a CPU (README, Performance). tcmalloc and jemalloc keep
+those pages again on the next call: measurable time on a CPU (docs/performance.md). tcmalloc and jemalloc keep
 freed memory, which is what `launch/_malloc.sh` preloads when one is installed; a process started without them
 gets the same effect from glibc with two `mallopt` settings, made here at start-up:
 

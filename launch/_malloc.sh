@@ -2,7 +2,7 @@
 # jemalloc) when one is installed. XLA:CPU allocates a training step's temporaries afresh on every call (6 GB a
 # step for the 135M shape at batch 8 x 512), and glibc's malloc hands those pages back to the kernel, which
 # zero-fills them again on the next step; tcmalloc and jemalloc keep freed memory for reuse. Measured on the 135M
-# training step: 8% faster with tcmalloc, 5% with jemalloc (README, Performance). Debian packages:
+# training step: 8% faster with tcmalloc, 5% with jemalloc (docs/performance.md). Debian packages:
 # libtcmalloc-minimal4, libjemalloc2.
 #
 # CAUSAL_LM_MALLOC: auto (default: the first of tcmalloc, jemalloc that is installed), system (glibc's malloc), or

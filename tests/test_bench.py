@@ -169,8 +169,8 @@ def test_cli_bench_refuses_an_unknown_remat_policy(capsys):
 
 @pytest.mark.slow
 def test_bench_train_on_the_small_preset_completes_and_marks_the_peer_row(capsys):
-    """The README's `causal-lm bench train --config small ...` (batch shrunk): the command succeeds with the peer
-    installed, our row is measured and the peer's row says why it cannot run the same model."""
+    """The `causal-lm bench train --config small ...` (batch shrunk): the command succeeds with the peer
+    installed (docs/performance.md), our row is measured and the peer's row says why it cannot run the same model."""
     if bench.peer_status() != "ok":
         pytest.skip("needs torch and transformers (the interop extra)")
     argv = ["bench", "train", "--config", "small", "--quick", "--compile-layers", "", "train.batch_size=2"]

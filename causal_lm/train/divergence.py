@@ -17,8 +17,8 @@ own start). Both conditions of the spike test must hold: the nats keep a noisy l
 its input, loss ~0.07) from tripping on relative noise, the standard deviations keep a fast-falling early run
 with large step-to-step swings from tripping on one bump. A non-finite loss or gradient norm is caught on the
 device (`TrainState.bad_step`). Training losses fall or wobble; they do not jump by a nat in one step unless
-something broke, and the defaults were chosen from the largest jumps of healthy runs of the presets (see the
-README's Reliability section).
+something broke, and the defaults were chosen from the largest jumps of healthy runs of the presets (see
+docs/reliability.md).
 """
 
 from __future__ import annotations
