@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from causal_lm.config import Config, MLAConfig, config_to_dict, load_config
+from causal_lm.config import Config, config_to_dict, load_config
 from causal_lm.decode import generate
 from causal_lm.experiments.common import pyplot, write_json, write_text
 from causal_lm.model import init_cache
@@ -48,7 +48,7 @@ def layouts(window: int) -> dict:
         "GQA-2": dict(num_kv_heads=2),
         "MQA": dict(num_kv_heads=1),
         "MLA": dict(
-            attention_type="mla", num_kv_heads=None, mla=MLAConfig(kv_lora_rank=16, qk_rope_head_dim=8, absorb=True)
+            attention_type="mla", num_kv_heads=None, mla=dict(kv_lora_rank=16, qk_rope_head_dim=8, absorb=True)
         ),
         f"local-{window}": dict(local),
         "5:1 mixed": dict(local, layer_pattern="local,local,local,local,local,global"),
