@@ -542,4 +542,12 @@ MUTANTS = [
         tests=["tests/test_engine.py::test_window_model_returns_pages_outside_the_window"],
         why="the page holding the oldest key still inside the window is given back one token too soon",
     ),
+    dict(
+        name="samples-do-not-wait-for-the-shared-prompt",
+        file="causal_lm/serve/engine.py",
+        old="return lead is not None and lead.finish_reason is None and lead.computed < len(lead.prompt)",
+        new="return False",
+        tests=["tests/test_engine.py::test_num_samples_share_the_prompts_pages_and_draw_what_separate_requests_draw"],
+        why="num_samples siblings start before the first sample has computed the prompt, so each computes it again",
+    ),
 ]
