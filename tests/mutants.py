@@ -205,8 +205,8 @@ MUTANTS = [
     dict(
         name="recompute-uses-cache",
         file="causal_lm/decode/generate.py",
-        old="        graphdef=graphdef,\n        use_cache=use_cache,\n        chunk=chunk,",
-        new="        graphdef=graphdef,\n        use_cache=True,\n        chunk=chunk,",
+        old="            graphdef=self.graphdef,\n            use_cache=self.use_cache,\n            chunk=self.chunk,",
+        new="            graphdef=self.graphdef,\n            use_cache=True,\n            chunk=self.chunk,",
         tests=[K + "test_the_recompute_path_runs_the_model_over_the_whole_sequence"],
         why="generate(use_cache=False) silently decodes through the cache",
     ),
