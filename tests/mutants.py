@@ -550,4 +550,12 @@ MUTANTS = [
         tests=["tests/test_engine.py::test_num_samples_share_the_prompts_pages_and_draw_what_separate_requests_draw"],
         why="num_samples siblings start before the first sample has computed the prompt, so each computes it again",
     ),
+    dict(
+        name="pages-needed-counts-the-unwritten-last-token",
+        file="causal_lm/serve/engine.py",
+        old="need = pages_for(tokens - 1, self.page_size)",
+        new="need = pages_for(tokens, self.page_size)",
+        tests=["tests/test_kv_concurrency.py::test_fit_counts_are_what_the_engine_admits"],
+        why="a sequence's page bound counts the last token, whose K/V are never written: fewer users fit than do",
+    ),
 ]

@@ -293,10 +293,7 @@ class Engine:
                 f"prompt length {len(prompt)} + max_tokens {max_tokens} = {len(prompt) + max_tokens} exceeds "
                 f"model.max_seq_len={c.max_seq_len}"
             )
-        # the last token's K/V is never written: len + max_tokens - 1 tokens at most are cached
-        need = pages_for(len(prompt) + max_tokens - 1, self.page_size)
-        if self.window:  # the pages of the window before a step's first query and of its chunk, + a partial one
-            need = min(need, pages_for(self.window - 1 + self.max_chunk, self.page_size) + 1)
+        need = self.pages_needed(len(prompt) + max_tokens)
         if need > self.num_pages:
             raise EngineError(
                 f"request needs up to {need} pages of {self.page_size} tokens (prompt {len(prompt)} + max_tokens "
@@ -338,6 +335,15 @@ class Engine:
         self._requests[rid] = seq
         self._waiting.append(seq)
         return rid
+
+    def pages_needed(self, tokens: int) -> int:
+        """The most pages a sequence of `tokens` tokens (prompt + max_tokens) holds at once: what `submit` checks
+        against the pool, and what a fixed KV budget divided by it says about how many such sequences fit."""
+        # the last token's K/V is never written: tokens - 1 at most are cached
+        need = pages_for(tokens - 1, self.page_size)
+        if self.window:  # the pages of the window before a step's first query and of its chunk, + a partial one
+            need = min(need, pages_for(self.window - 1 + self.max_chunk, self.page_size) + 1)
+        return need
 
     def submit_samples(self, prompt_ids, num_samples: int, seed: int = 0, **kwargs) -> list:
         """`num_samples` requests for one prompt that share its pages; returns their ids. Sample i is the request
@@ -427,6 +433,7 @@ class Engine:
             "pages_total": self.num_pages,
             "pages_used": book.held,
             "pages_peak": self._counts["pages_peak"],
+            "decoding_peak": self._counts["decoding_peak"],
             "pages_cached": len(book.cached),
             "pages_free": len(book.free),
             "running": len(self._running),
@@ -451,6 +458,8 @@ class Engine:
         events, self._events = self._events, []
         rows = self._schedule()
         self._counts["pages_peak"] = max(self._counts["pages_peak"], self._book.held)
+        decoding = sum(len(seq.tokens) - seq.computed <= 1 for seq, _ in rows)
+        self._counts["decoding_peak"] = max(self._counts["decoding_peak"], decoding)
         if not rows:
             if self._waiting and not self._running:
                 raise RuntimeError("the scheduler could not admit a request into an empty engine")
