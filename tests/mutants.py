@@ -205,8 +205,8 @@ MUTANTS = [
     dict(
         name="recompute-uses-cache",
         file="causal_lm/decode/generate.py",
-        old="        graphdef=graphdef,\n        use_cache=use_cache,\n        chunk=chunk,",
-        new="        graphdef=graphdef,\n        use_cache=True,\n        chunk=chunk,",
+        old="            graphdef=self.graphdef,\n            use_cache=self.use_cache,\n            chunk=self.chunk,",
+        new="            graphdef=self.graphdef,\n            use_cache=True,\n            chunk=self.chunk,",
         tests=[K + "test_the_recompute_path_runs_the_model_over_the_whole_sequence"],
         why="generate(use_cache=False) silently decodes through the cache",
     ),
@@ -638,5 +638,21 @@ MUTANTS = [
         new="if False:",
         tests=["tests/test_misuse.py::test_converting_into_a_workdir_with_checkpoints_needs_force"],
         why="convert writes checkpoints/0 beside a run's step 30, which every command then ignores",
+    ),
+    dict(
+        name="samples-do-not-wait-for-the-shared-prompt",
+        file="causal_lm/serve/engine.py",
+        old="return lead is not None and lead.finish_reason is None and lead.computed < len(lead.prompt)",
+        new="return False",
+        tests=["tests/test_engine.py::test_num_samples_share_the_prompts_pages_and_draw_what_separate_requests_draw"],
+        why="num_samples siblings start before the first sample has computed the prompt, so each computes it again",
+    ),
+    dict(
+        name="pages-needed-counts-the-unwritten-last-token",
+        file="causal_lm/serve/engine.py",
+        old="need = pages_for(tokens - 1, self.page_size)",
+        new="need = pages_for(tokens, self.page_size)",
+        tests=["tests/test_kv_concurrency.py::test_fit_counts_are_what_the_engine_admits"],
+        why="a sequence's page bound counts the last token, whose K/V are never written: fewer users fit than do",
     ),
 ]

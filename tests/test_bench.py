@@ -207,3 +207,27 @@ def test_decode_steps_lost_in_timing_noise_give_a_lower_bound_and_a_note():
     for t_all in (1.0, 0.999, 1.0 + NOISE_FRACTION / 2):  # equal, shorter (noise), barely longer
         with pytest.warns(Note, match="lower bound"):
             assert _steps_seconds(1.0, t_all, 4) == pytest.approx(t_all * 4 / 5)
+
+
+def test_bench_serve_keys_and_token_counts(capsys):
+    """A tiny workload through `causal-lm bench serve --json` (no peer: its start-up alone takes longer than the
+    rest): every system's metrics, the engine's pages and prefix hits, and the ratios."""
+    code = main(
+        ["bench", "serve", "--config", "tiny", "--json", "--no-peer", "--requests", "4", "--prompt-range", "3,8",
+         "--new-range", "2,4", "--max-seqs", "4", "--page-size", "4", "--max-step-tokens", "16", "--rate", "50",
+         "model.num_layers=1", "model.d_model=32"]
+    )  # fmt: skip
+    assert code == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["peer"] == "skipped" and r["benchmark"] == "serve"
+    assert set(r["runs"]) == {"all", "poisson"}
+    assert set(r["runs"]["all"]) == {"engine", "generate_x1", "generate_x8"} and set(r["runs"]["poisson"]) == {"engine"}
+    for runs in r["runs"].values():
+        for v in runs.values():
+            assert set(v) >= set(bench.serve.KEYS)
+            assert _positive(v["tokens_per_s"]) and v["output_tokens"] == r["runs"]["all"]["engine"]["output_tokens"]
+    e = r["runs"]["all"]["engine"]
+    assert _positive(e["ttft_p50_s"]) and e["ttft_p99_s"] >= e["ttft_p50_s"] and _positive(e["tpot_p50_s"])
+    assert 0 < e["pages_peak"] <= e["pages_total"] and e["prefix_hit_pages"] >= 0
+    assert set(r["ratios"]) == {"engine_vs_generate_x1", "engine_vs_generate_x8"}
+    assert r["workload"]["poisson_rate_per_s"] == 50

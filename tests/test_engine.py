@@ -311,6 +311,26 @@ def test_prefix_sharing_computes_less_and_changes_nothing():
     assert peak_on < peak_off
 
 
+def test_num_samples_share_the_prompts_pages_and_draw_what_separate_requests_draw():
+    """num_samples=4 is four requests with seeds s .. s+3 that share the prompt's pages: the same tokens as four
+    separate requests (no prefix cache), but the prompt's full pages computed and held once (the samples wait for
+    the first to compute it). Bug class: samples that each recompute and hold the prompt, or that share a key."""
+    model = tiny_model(CONFIGS["gqa"])
+    prompt = np.random.default_rng(9).integers(0, V, 26).tolist()
+    settings = dict(max_tokens=6, temperature=1.0)
+    grouped = small_engine(model, page_size=4, num_pages=90, prefix_cache=False)
+    (samples,) = grouped.run([dict(prompt_ids=prompt, num_samples=4, seed=11, **settings)], progress=False)
+    separate = small_engine(model, page_size=4, num_pages=90, prefix_cache=False)
+    alone = separate.run([dict(prompt_ids=prompt, seed=11 + i, **settings) for i in range(4)], progress=False)
+    assert [r.tokens for r in samples] == [r.tokens for r in alone]
+    assert len({tuple(r.tokens) for r in samples}) > 1  # the samples really differ
+    g, s = grouped.stats(), separate.stats()
+    assert g["prefix_hit_pages"] == 3 * 6  # samples 1..3 hold the 6 full pages of the 26-token prompt
+    assert s["kv_computed"] - g["kv_computed"] == 3 * 24
+    assert g["pages_peak"] < s["pages_peak"]
+    assert_no_leak(grouped)
+
+
 # ---- no leaks, bounded programs ---------------------------------------------------------------------------------
 def test_no_leak_after_a_thousand_requests_and_no_retrace_after_warmup():
     """1,000 short requests with cancellations, repeated prompts and pages scarce enough to preempt: afterwards every

@@ -26,14 +26,19 @@ context, so (weight bytes + batch x context x K/V bytes per token) / batch bytes
 measured read bandwidth is the fastest it can be; small models whose weights fit in the last-level cache can beat
 it (fraction > 1).
 
+    bench_serve(config)   the serving engine on a fixed workload (output tokens/s, time to first token and per
+                          token, pages): against `generate` one request at a time and in fixed batches of 8, and
+                          transformers' own continuous batching on the same weights (serve.py)
+
 Modules: common.py (ceilings, environment, timing, tables), peer.py (the PyTorch side), train.py, decode.py,
-first_call.py (fresh-process latency). They
+first_call.py (fresh-process latency), serve.py (serving). They
 use only the package's public functions.
 """
 
 from causal_lm.bench.common import NOT_INSTALLED, environment, machine_ceilings, peer_status
 from causal_lm.bench.decode import bench_decode, decode_bytes_per_token, decode_loop_comparison, format_decode
 from causal_lm.bench.first_call import first_call_latency
+from causal_lm.bench.serve import bench_serve, format_serve
 from causal_lm.bench.train import bench_train, compile_seconds, format_train
 
 __all__ = [
@@ -46,6 +51,8 @@ __all__ = [
     "decode_loop_comparison",
     "format_decode",
     "first_call_latency",
+    "bench_serve",
+    "format_serve",
     "bench_train",
     "compile_seconds",
     "format_train",

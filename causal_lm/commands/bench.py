@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from causal_lm.bench import bench_decode, bench_train, format_decode, format_train
+from causal_lm.bench import bench_decode, bench_serve, bench_train, format_decode, format_serve, format_train
 from causal_lm.commands.common import add_config_args, config_from_args
 from causal_lm.config import REMATS
 
@@ -20,7 +20,7 @@ def register(sub):
         "bandwidth, then ours and the peer (transformers' LlamaForCausalLM with the "
         "same weights, when torch and transformers are installed).",
     )
-    which = p.add_subparsers(dest="bench", metavar="{train,decode}")
+    which = p.add_subparsers(dest="bench", metavar="{train,decode,serve}")
     t = which.add_parser("train", help="tokens/s, step time, MFU, compile time of the training step")
     _common(t)
     t.add_argument("--steps", type=int, default=None, help="timed steps after warm-up (default 5; quick 2)")
@@ -63,7 +63,30 @@ def register(sub):
         help="skip timing the first token of two fresh processes (compiling, then from the compilation cache)",
     )
     d.set_defaults(func=run_decode)
+    s = which.add_parser(
+        "serve", help="the serving engine on a fixed workload vs generate (x1, batches of 8) and transformers' CB"
+    )
+    add_config_args(s, default_config="bench_small")
+    s.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    s.add_argument("--no-peer", action="store_true", help="skip transformers' continuous batching")
+    s.add_argument("--no-baselines", action="store_true", help="skip our generate one at a time and in batches of 8")
+    s.add_argument("--requests", type=int, default=64, help="requests in the workload (default 64)")
+    s.add_argument("--prompt-range", default="32,512", help="prompt lengths, min,max (default 32,512)")
+    s.add_argument("--new-range", default="32,256", help="new tokens per request, min,max (default 32,256)")
+    s.add_argument("--arrivals", default="all,poisson", help="all and/or poisson, comma-separated")
+    s.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second (default: the engine's)")
+    s.add_argument("--max-seqs", type=int, default=16, help="engine rows (default 16)")
+    s.add_argument("--page-size", type=int, default=16, help="engine page size (default 16)")
+    s.add_argument("--max-step-tokens", type=int, default=256, help="engine tokens per step (default 256)")
+    s.set_defaults(func=run_serve)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+
+def _range(text: str, name: str) -> tuple:
+    r = _ints(text)
+    if len(r) != 2 or not 1 <= r[0] <= r[1]:
+        raise ValueError(f"{name} takes min,max with 1 <= min <= max, got {text!r}")
+    return r
 
 
 def _common(p):
@@ -124,4 +147,25 @@ def run_decode(args) -> int:
         first_call=not args.no_first_call,
     )
     print(json.dumps(r) if args.json else format_decode(r))
+    return 0
+
+
+def run_serve(args) -> int:
+    arrivals = tuple(x.strip() for x in args.arrivals.split(",") if x.strip())
+    if not arrivals or any(a not in ("all", "poisson") for a in arrivals):
+        raise ValueError(f"--arrivals takes all and/or poisson, got {args.arrivals!r}")
+    r = bench_serve(
+        config_from_args(args),
+        requests=args.requests,
+        prompt_range=_range(args.prompt_range, "--prompt-range"),
+        new_range=_range(args.new_range, "--new-range"),
+        arrivals=arrivals,
+        rate=args.rate,
+        max_seqs=args.max_seqs,
+        page_size=args.page_size,
+        max_step_tokens=args.max_step_tokens,
+        baselines=not args.no_baselines,
+        peer=not args.no_peer,
+    )
+    print(json.dumps(r) if args.json else format_serve(r))
     return 0

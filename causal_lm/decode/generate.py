@@ -29,10 +29,10 @@ import numpy as np
 from flax import nnx
 
 from causal_lm import parallel
+from causal_lm.decode.loop import Progress, drive
 from causal_lm.decode.prefill import compile_count, count_trace, last_valid_logits, prefill, shard_cache
-from causal_lm.decode.sampling import sample
-from causal_lm.decode.speculative import speculative_resume_jit, speculative_start_jit
-from causal_lm.decode.streaming import StreamReporter
+from causal_lm.decode.sampling import BatchSampling
+from causal_lm.decode.speculative import SpeculativeLoop
 from causal_lm.model.kv_cache import CACHE_DTYPES, init_cache, require_causal
 from causal_lm.model.transformer import Decoder
 from causal_lm.model.weights import check_weights
@@ -125,7 +125,7 @@ def _recompute_logits(model, rs: RecomputeState):
 
 
 def _run(
-    model, s: DecodeState, key, temperature, top_k, top_p, stop_ids, until, *, use_cache, total, return_logits, mesh
+    model, s: DecodeState, sampling: BatchSampling, until, *, use_cache, total, return_logits, mesh
 ) -> DecodeState:
     """Decode until every row is done or `until` tokens are out (a traced count: max_new_tokens, or where a
     streaming caller pauses to show what came so far)."""
@@ -137,18 +137,18 @@ def _run(
     def body(s: DecodeState) -> DecodeState:
         active = ~s.done
         logits, model_state, kv_step = advance(s.model_state, s.token, active)
-        new_tok = sample(logits, jax.random.fold_in(key, s.step), temperature, top_k, top_p)
+        new_tok = sampling.at_step(logits, s.step)
         new_tok = jnp.where(s.done, s.token, new_tok)
         s = dataclasses.replace(s, model_state=model_state, kv_computed=s.kv_computed + kv_step)
-        return _emit(s, new_tok, logits, stop_ids, return_logits)
+        return _emit(s, new_tok, logits, sampling, return_logits)
 
     return jax.lax.while_loop(cond, body, s)
 
 
-def _emit(s: DecodeState, tok, logits, stop_ids, return_logits: bool) -> DecodeState:
+def _emit(s: DecodeState, tok, logits, sampling: BatchSampling, return_logits: bool) -> DecodeState:
     """Record the step's token (-1 for rows already finished) and, when asked, its logits."""
     out_logits = s.out_logits.at[:, s.step].set(logits) if return_logits else s.out_logits
-    done = s.done | jnp.isin(tok, stop_ids)
+    done = s.done | sampling.stopped(tok)
     shown = jnp.where(s.done, -1, tok)
     return dataclasses.replace(
         s, step=s.step + 1, token=tok, done=done, out=s.out.at[:, s.step].set(shown), out_logits=out_logits
@@ -175,11 +175,7 @@ def _start_jit(
     state,
     tokens,
     lengths,
-    key,
-    temperature,
-    top_k,
-    top_p,
-    stop_ids,
+    sampling: BatchSampling,
     until,
     *,
     graphdef,
@@ -212,7 +208,7 @@ def _start_jit(
             tokens, lengths = jnp.repeat(tokens, num_samples, axis=0), jnp.repeat(lengths, num_samples, axis=0)
         model_state = RecomputeState(jnp.zeros((B, total), jnp.int32).at[:, :prompt_len].set(tokens), lengths)
         first_logits = _recompute_logits(model, model_state)
-    tok = sample(first_logits, jax.random.fold_in(key, 0), temperature, top_k, top_p)
+    tok = sampling.at_step(first_logits, 0)
     start = DecodeState(
         step=jnp.int32(0),
         model_state=model_state,
@@ -222,15 +218,11 @@ def _start_jit(
         out_logits=jnp.zeros((B, max_new, c.vocab_size) if return_logits else (0,), jnp.float32),
         kv_computed=jnp.where(first_sample, lengths, 0).astype(jnp.int32),
     )
-    start = _emit(start, tok, first_logits, stop_ids, return_logits)
+    start = _emit(start, tok, first_logits, sampling, return_logits)
     end = _run(
         model,
         start,
-        key,
-        temperature,
-        top_k,
-        top_p,
-        stop_ids,
+        sampling,
         until,
         use_cache=use_cache,
         total=total,
@@ -244,11 +236,7 @@ def _start_jit(
 def _resume_jit(
     state,
     s,
-    key,
-    temperature,
-    top_k,
-    top_p,
-    stop_ids,
+    sampling: BatchSampling,
     until,
     *,
     graphdef,
@@ -265,11 +253,7 @@ def _resume_jit(
     end = _run(
         model,
         s,
-        key,
-        temperature,
-        top_k,
-        top_p,
-        stop_ids,
+        sampling,
         until,
         use_cache=use_cache,
         total=prompt_len + max_new,
@@ -393,9 +377,7 @@ def generate(
     tokens = np.zeros((len(prompts), prompt_len), np.int32)
     for r, p in enumerate(prompts):
         tokens[r, : len(p)] = p
-    stop = np.full((max(8, len(stop_tokens)),), -2, np.int32)
-    stop[: len(stop_tokens)] = list(stop_tokens)
-    scalars = (np.float32(temperature), np.int32(top_k or 0), np.float32(1.0 if top_p is None else top_p), stop)
+    sampling = BatchSampling.make(seed, temperature, top_k, top_p, stop_tokens)
 
     graphdef, state = nnx.split(model)
     check_weights(state, warn=not check_finite)
@@ -406,9 +388,8 @@ def generate(
     if mesh is None:
         mesh = parallel.mesh_of(state)
     if mesh is None:
-        args = (jnp.asarray(tokens), jnp.asarray(lens, jnp.int32), jax.random.key(seed)) + tuple(
-            jnp.asarray(a) for a in scalars
-        )
+        prompt_rows = (jnp.asarray(tokens), jnp.asarray(lens, jnp.int32))
+        sampling = dataclasses.replace(jax.tree.map(jnp.asarray, sampling), key=jax.random.key(seed))
     else:
         if parallel.mesh_of(state) != mesh:
             state = parallel.shard_tree(state, parallel.tree_shardings(state, mesh))
@@ -417,27 +398,28 @@ def generate(
         # Built from host values on every process (arrays of one process's device cannot join a global jit).
         rows = parallel.shard_global_batch({"tokens": tokens, "lengths": np.asarray(lens, np.int32)}, mesh)
         key = _replicated_key(mesh)(parallel.replicate(np.uint32(seed), mesh))
-        args = (rows["tokens"], rows["lengths"], key) + tuple(parallel.replicate(a, mesh) for a in scalars)
+        prompt_rows = (rows["tokens"], rows["lengths"])
+        sampling = dataclasses.replace(jax.tree.map(lambda a: parallel.replicate(a, mesh), sampling), key=key)
     static = dict(
         prompt_len=prompt_len, max_new=new_bucket, return_logits=return_logits, num_samples=int(num_samples), mesh=mesh
     )
     host = (lambda x: x) if mesh is None else (lambda x: parallel.replicate(x, mesh))
-    run = _run_speculative if draft is not None else _run_plain
-    end = run(
-        state,
-        draft_state,
-        args,
-        host,
-        on_step,
-        int(max_new_tokens),
-        graphdef=graphdef,
-        draft_graphdef=draft_graphdef,
-        draft_tokens=int(draft_tokens),
-        use_cache=use_cache,
-        chunk=chunk,
-        cache_dtype=cache_dtype,
-        static=static,
+    loop_args = dict(
+        state=state, prompt_rows=prompt_rows, sampling=sampling, limit=int(max_new_tokens), host=host, static=static
     )
+    if draft is None:
+        loop = PlainLoop(graphdef=graphdef, use_cache=use_cache, chunk=chunk, cache_dtype=cache_dtype, **loop_args)
+    else:
+        loop = SpeculativeLoop(
+            graphdef=graphdef,
+            draft_graphdef=draft_graphdef,
+            draft_state=draft_state,
+            k=int(draft_tokens),
+            chunk=chunk,
+            cache_dtype=cache_dtype,
+            **loop_args,
+        )
+    end = drive(loop, on_step)
     out = np.asarray(end.out)
     rows = [[int(t) for t in row[:max_new_tokens] if t >= 0] for row in out]
     steps = max(len(r) for r in rows)
@@ -457,97 +439,52 @@ def generate(
     )
 
 
-# Streaming shows the first token as soon as it exists, then pauses the loop every STREAM_EVERY tokens (or
-# speculative passes) to hand the new ones to the callback: a host round trip per pause, no host callbacks inside
-# the compiled programs (which would keep them out of the persistent compilation cache).
-STREAM_EVERY = 8
+@dataclasses.dataclass
+class PlainLoop:
+    """Plain decoding as a `DecodeLoop` (causal_lm/decode/loop.py): one token per row per step, counted in tokens."""
 
+    state: object  # the model's weights (nnx state)
+    graphdef: object
+    prompt_rows: tuple  # (tokens [B, prompt bucket], lengths [B]) on the device
+    sampling: BatchSampling
+    limit: int  # max_new_tokens
+    host: Callable  # host value -> an argument the programs accept (replicated on a mesh)
+    static: dict  # the programs' static arguments shared by start and resume
+    use_cache: bool
+    chunk: int
+    cache_dtype: str | None
+    first_pause: int = 1
 
-def _run_plain(
-    state,
-    draft_state,
-    args,
-    host,
-    on_step,
-    limit,
-    *,
-    graphdef,
-    draft_graphdef,
-    draft_tokens,
-    use_cache,
-    chunk,
-    cache_dtype,
-    static,
-):
-    tokens, lengths, key, temperature, top_k, top_p, stop = args
-    sampling = (key, temperature, top_k, top_p, stop)
-    until = 1 if on_step is not None else limit
-    s = _start_jit(
-        state,
-        tokens,
-        lengths,
-        *sampling,
-        host(np.int32(until)),
-        graphdef=graphdef,
-        use_cache=use_cache,
-        chunk=chunk,
-        cache_dtype=cache_dtype,
-        **static,
-    )
-    report = StreamReporter(on_step)
-    while on_step is not None:
-        step, done = int(s.step), np.asarray(s.done)
-        report(np.asarray(s.out), np.full(done.shape, step), done)
-        if step >= limit or done.all():
-            break
-        until = min(limit, step + STREAM_EVERY)
-        s = _resume_jit(state, s, *sampling, host(np.int32(until)), graphdef=graphdef, use_cache=use_cache, **static)
-    return s
-
-
-def _run_speculative(
-    state,
-    draft_state,
-    args,
-    host,
-    on_step,
-    limit,
-    *,
-    graphdef,
-    draft_graphdef,
-    draft_tokens,
-    use_cache,
-    chunk,
-    cache_dtype,
-    static,
-):
-    tokens, lengths, key, temperature, top_k, top_p, stop = args
-    sampling = (key, temperature, top_k, top_p, stop)
-    spec = dict(graphdef=graphdef, draft_graphdef=draft_graphdef, k=draft_tokens, **static)
-    passes = 0 if on_step is not None else limit  # a pass emits at least one token: limit passes always suffice
-    s = speculative_start_jit(
-        state,
-        draft_state,
-        tokens,
-        lengths,
-        *sampling,
-        host(np.int32(limit)),
-        host(np.int32(passes)),
-        chunk=chunk,
-        cache_dtype=cache_dtype,
-        **spec,
-    )
-    report = StreamReporter(on_step)
-    while on_step is not None:
-        done, count = np.asarray(s.done), np.asarray(s.count)
-        report(np.asarray(s.out), count, done)
-        if done.all():
-            break
-        passes = int(s.passes) + STREAM_EVERY
-        s = speculative_resume_jit(
-            state, draft_state, s, *sampling, host(np.int32(limit)), host(np.int32(passes)), **spec
+    def start(self, until: int) -> DecodeState:
+        return _start_jit(
+            self.state,
+            *self.prompt_rows,
+            self.sampling,
+            self.host(np.int32(until)),
+            graphdef=self.graphdef,
+            use_cache=self.use_cache,
+            chunk=self.chunk,
+            cache_dtype=self.cache_dtype,
+            **self.static,
         )
-    return s
+
+    def resume(self, s: DecodeState, until: int) -> DecodeState:
+        return _resume_jit(
+            self.state,
+            s,
+            self.sampling,
+            self.host(np.int32(until)),
+            graphdef=self.graphdef,
+            use_cache=self.use_cache,
+            **self.static,
+        )
+
+    def step(self, s: DecodeState) -> DecodeState:
+        return self.resume(s, int(s.step) + 1)
+
+    def progress(self, s: DecodeState) -> Progress:
+        step, done = int(s.step), np.asarray(s.done)
+        return Progress(np.asarray(s.out), np.full(done.shape, step), done, step)
 
 
 def _check_speculative(speculative, draft_tokens, config, use_cache: bool, longest: int):

@@ -117,3 +117,47 @@ class SamplingParams:
     def stopped(self, tokens):
         """tokens [B] -> [B] bool: the token is one of its row's stop ids."""
         return jnp.any(tokens[:, None] == self.stop, axis=1)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BatchSampling:
+    """`generate`'s sampling settings as one frozen pytree (traced: new values never recompile): the batch's PRNG
+    key, temperature (0: greedy), top_k (0: off), top_p (1: off) and stop ids [S] (padded with -2). Step n of the
+    plain loop draws every row with fold_in(key, n) (the seed policy `generate` has always had); the speculative
+    loop derives its own keys from `key` and passes them to `draw`."""
+
+    key: jax.Array
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    stop: jax.Array
+
+    @staticmethod
+    def make(seed: int, temperature: float, top_k: int | None, top_p: float | None, stop_tokens) -> BatchSampling:
+        """Host values (the key is made by the caller's placement: see `generate`); stop padded to 8 ids at least."""
+        stop = np.full((max(8, len(stop_tokens)),), -2, np.int32)
+        stop[: len(stop_tokens)] = list(stop_tokens)
+        return BatchSampling(
+            key=np.uint32(seed),
+            temperature=np.float32(temperature),
+            top_k=np.int32(top_k or 0),
+            top_p=np.float32(1.0 if top_p is None else top_p),
+            stop=stop,
+        )
+
+    def draw(self, logits, key):
+        """logits [B, V] -> token ids [B] drawn with `key` (greedy when temperature is 0)."""
+        return sample(logits, key, self.temperature, self.top_k, self.top_p)
+
+    def at_step(self, logits, step):
+        """The plain loop's draw for its `step`-th token: key fold_in(key, step)."""
+        return self.draw(logits, jax.random.fold_in(self.key, step))
+
+    def probabilities(self, logits):
+        """The distribution `draw` samples from, [..., V] (speculative acceptance compares these)."""
+        return probabilities(logits, self.temperature, self.top_k, self.top_p)
+
+    def stopped(self, tokens):
+        """tokens [...] -> bool [...]: the token is a stop id."""
+        return jnp.isin(tokens, self.stop)

@@ -24,14 +24,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from causal_lm import parallel
+from causal_lm.decode.loop import Progress
 from causal_lm.decode.prefill import count_trace, prefill, shard_cache
-from causal_lm.decode.sampling import probabilities, sample
+from causal_lm.decode.sampling import BatchSampling, probabilities
 from causal_lm.model.kv_cache import init_cache
 
 
@@ -82,7 +85,7 @@ def ngram_proposals(history, hist_len, k: int, max_n: int = 3):
     return drafts, jnp.where(found, k, 0)
 
 
-def _draft_proposals(draft, layers, cache, history, hist_len, active, k, key, temperature, top_k, top_p, mesh):
+def _draft_proposals(draft, layers, cache, history, hist_len, active, k, key, sampling: BatchSampling, mesh):
     """Draft-model proposals: feed the draft the 1 or 2 history tokens its cache lacks, then let it decode k tokens.
     Returns (drafts [B, k], their distributions q [B, k, V], the draft cache)."""
     D = cache.lengths
@@ -95,9 +98,7 @@ def _draft_proposals(draft, layers, cache, history, hist_len, active, k, key, te
     seg_active = active[:, None].astype(jnp.int32)
 
     def propose(last, j):
-        return sample(last, jax.random.fold_in(key, j), temperature, top_k, top_p), probabilities(
-            last, temperature, top_k, top_p
-        )
+        return sampling.draw(last, jax.random.fold_in(key, j)), sampling.probabilities(last)
 
     def step(carry, j):  # one draft token decoded: one program body for all k - 1 steps (compile time)
         cache, last = carry
@@ -146,11 +147,7 @@ def speculative_start_jit(
     draft_state,
     tokens,
     lengths,
-    key,
-    temperature,
-    top_k,
-    top_p,
-    stop_ids,
+    sampling: BatchSampling,
     limit,
     until_passes,
     *,
@@ -189,7 +186,7 @@ def speculative_start_jit(
             dcache = shard_cache(dcache.repeat_rows(num_samples), mesh)
 
     width = max_new + k + 1
-    first = sample(first_logits, jax.random.fold_in(key, 0), temperature, top_k, top_p)
+    first = sampling.draw(first_logits, jax.random.fold_in(sampling.key, 0))
     history = jnp.zeros((B, total), jnp.int32).at[:, :prompt_len].set(tokens)
     history = jax.vmap(lambda h, i, t: h.at[i].set(t))(history, lengths, first)
     out_logits = jnp.zeros((B, width, c.vocab_size) if return_logits else (0,), jnp.float32)
@@ -202,7 +199,7 @@ def speculative_start_jit(
         history=history,
         hist_len=lengths + 1,
         count=jnp.ones((B,), jnp.int32),
-        done=jnp.isin(first, stop_ids) | (limit <= 1),
+        done=sampling.stopped(first) | (limit <= 1),
         out=jnp.full((B, width), -1, jnp.int32).at[:, 0].set(first),
         out_logits=out_logits,
         # the prompt's K/V were computed once per prompt: counted on its first sample's row
@@ -215,11 +212,7 @@ def speculative_start_jit(
         draft_graphdef,
         draft_state,
         start,
-        key,
-        temperature,
-        top_k,
-        top_p,
-        stop_ids,
+        sampling,
         limit,
         until_passes,
         k=k,
@@ -234,11 +227,7 @@ def speculative_resume_jit(
     state,
     draft_state,
     s,
-    key,
-    temperature,
-    top_k,
-    top_p,
-    stop_ids,
+    sampling: BatchSampling,
     limit,
     until_passes,
     *,
@@ -260,11 +249,7 @@ def speculative_resume_jit(
         draft_graphdef,
         draft_state,
         s,
-        key,
-        temperature,
-        top_k,
-        top_p,
-        stop_ids,
+        sampling,
         limit,
         until_passes,
         k=k,
@@ -279,11 +264,7 @@ def _passes(
     draft_graphdef,
     draft_state,
     start,
-    key,
-    temperature,
-    top_k,
-    top_p,
-    stop_ids,
+    sampling: BatchSampling,
     limit,
     until_passes,
     *,
@@ -306,7 +287,7 @@ def _passes(
 
     def body(s: SpeculativeState) -> SpeculativeState:
         active = ~s.done
-        key_pass = jax.random.fold_in(key, s.passes + 1)
+        key_pass = jax.random.fold_in(sampling.key, s.passes + 1)
         k_draft, k_accept = jax.random.split(key_pass)
         budget = jnp.clip(limit - s.count - 1, 0, k)  # proposals beyond max_new_tokens would be thrown away
         if draft is None:
@@ -314,7 +295,7 @@ def _passes(
             q, dcache = None, None
         else:
             drafts, q, dcache = _draft_proposals(
-                draft, draft_layers, s.draft, s.history, s.hist_len, active, k, k_draft, temperature, top_k, top_p, mesh
+                draft, draft_layers, s.draft, s.history, s.hist_len, active, k, k_draft, sampling, mesh
             )
             n_prop = jnp.full((B,), k, jnp.int32)
         n_prop = jnp.where(active, jnp.minimum(n_prop, budget), 0)
@@ -322,14 +303,14 @@ def _passes(
         chunk_tokens = jnp.concatenate([pending, drafts], axis=1)  # [B, k + 1]
         seg = ((jnp.arange(k + 1)[None] <= n_prop[:, None]) & active[:, None]).astype(jnp.int32)
         logits, target = model(chunk_tokens, segment_ids=seg, cache=s.target, layers=layers)
-        a, nxt = _accept(logits, drafts, q, n_prop, k_accept, temperature, top_k, top_p)
+        a, nxt = _accept(logits, drafts, q, n_prop, k_accept, sampling.temperature, sampling.top_k, sampling.top_p)
         a = jnp.where(active, a, 0)
         # emitted: d_1 .. d_a, then the target's own token; cut at the first stop token and at max_new
         emitted = jnp.where(
             jnp.arange(k + 1)[None] < a[:, None], jnp.concatenate([drafts, drafts[:, :1]], 1), nxt[:, None]
         )  # [B, k + 1]
         m = jnp.minimum(a + 1, limit - s.count)
-        is_stop = jnp.isin(emitted, stop_ids) & (jnp.arange(k + 1)[None] < m[:, None])
+        is_stop = sampling.stopped(emitted) & (jnp.arange(k + 1)[None] < m[:, None])
         first_stop = jnp.argmax(is_stop, axis=1)
         stopped = jnp.any(is_stop, axis=1)
         m = jnp.where(stopped, jnp.minimum(m, first_stop + 1), m)
@@ -372,3 +353,56 @@ def _passes(
     rep = parallel.replicated(mesh)
     fields = ("passes", "count", "done", "out", "out_logits", "kv_computed", "proposed", "accepted")
     return dataclasses.replace(end, **{f: jax.lax.with_sharding_constraint(getattr(end, f), rep) for f in fields})
+
+
+@dataclasses.dataclass
+class SpeculativeLoop:
+    """Speculative decoding as a `DecodeLoop` (causal_lm/decode/loop.py): a step is one draft-and-check pass, and
+    `until` counts passes (a pass emits at least one token per running row, so `limit` passes always suffice)."""
+
+    state: object  # the target's weights (nnx state)
+    graphdef: object
+    draft_graphdef: object  # None: prompt-lookup ("ngram") drafts
+    draft_state: object
+    prompt_rows: tuple  # (tokens [B, prompt bucket], lengths [B]) on the device
+    sampling: BatchSampling
+    limit: int  # max_new_tokens
+    host: Callable
+    static: dict
+    k: int
+    chunk: int
+    cache_dtype: str | None
+    first_pause: int = 0  # prefill and the first token only
+
+    def _spec(self) -> dict:
+        return dict(graphdef=self.graphdef, draft_graphdef=self.draft_graphdef, k=self.k, **self.static)
+
+    def start(self, until: int) -> SpeculativeState:
+        return speculative_start_jit(
+            self.state,
+            self.draft_state,
+            *self.prompt_rows,
+            self.sampling,
+            self.host(np.int32(self.limit)),
+            self.host(np.int32(until)),
+            chunk=self.chunk,
+            cache_dtype=self.cache_dtype,
+            **self._spec(),
+        )
+
+    def resume(self, s: SpeculativeState, until: int) -> SpeculativeState:
+        return speculative_resume_jit(
+            self.state,
+            self.draft_state,
+            s,
+            self.sampling,
+            self.host(np.int32(self.limit)),
+            self.host(np.int32(until)),
+            **self._spec(),
+        )
+
+    def step(self, s: SpeculativeState) -> SpeculativeState:
+        return self.resume(s, int(s.passes) + 1)
+
+    def progress(self, s: SpeculativeState) -> Progress:
+        return Progress(np.asarray(s.out), np.asarray(s.count), np.asarray(s.done), int(s.passes))

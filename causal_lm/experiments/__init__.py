@@ -16,6 +16,7 @@ EXPERIMENTS = {
     "mask-placement": "causal_lm.experiments.mask_placement",
     "prefix-cost": "causal_lm.experiments.prefix_cost",
     "kv-memory": "causal_lm.experiments.kv_memory",
+    "kv-concurrency": "causal_lm.experiments.kv_concurrency",
     "nope-position": "causal_lm.experiments.nope_position",
 }
 

@@ -16,6 +16,8 @@ Exactness. A token's K/V under the causal mask depend on it and the tokens befor
 built from its own slots' positions, so a request's greedy tokens are those of `generate` of its prompt alone
 (tests/test_engine.py checks it under churn: arrivals, cancellations, preemption, page sizes, every cache layout).
 Sampling draws the n-th token of a request with fold_in(key(seed), n): the same tokens alone or in a busy batch.
+`submit_samples(prompt, num_samples=n)` (or a `run` dict with num_samples) is n requests with seeds seed .. seed+n-1
+that share the prompt: the first computes it, the others wait for it, then hold its full pages (refcounted).
 
 Scheduler (host, each step):
   1. running sequences, oldest first: each feeds min(uncomputed tokens, budget left, largest token bucket) tokens;
@@ -107,6 +109,7 @@ class _Sequence:
     computed: int = 0  # tokens whose K/V are in the pages
     keys: list = dataclasses.field(default_factory=list)  # prefix keys of pages 0 .. registered-1
     finish_reason: str | None = None
+    leader: _Sequence | None = None  # num_samples > 1: the sample that computes the shared prompt
 
 
 @jax.tree_util.register_dataclass
@@ -290,10 +293,7 @@ class Engine:
                 f"prompt length {len(prompt)} + max_tokens {max_tokens} = {len(prompt) + max_tokens} exceeds "
                 f"model.max_seq_len={c.max_seq_len}"
             )
-        # the last token's K/V is never written: len + max_tokens - 1 tokens at most are cached
-        need = pages_for(len(prompt) + max_tokens - 1, self.page_size)
-        if self.window:  # the pages of the window before a step's first query and of its chunk, + a partial one
-            need = min(need, pages_for(self.window - 1 + self.max_chunk, self.page_size) + 1)
+        need = self.pages_needed(len(prompt) + max_tokens)
         if need > self.num_pages:
             raise EngineError(
                 f"request needs up to {need} pages of {self.page_size} tokens (prompt {len(prompt)} + max_tokens "
@@ -335,6 +335,29 @@ class Engine:
         self._requests[rid] = seq
         self._waiting.append(seq)
         return rid
+
+    def pages_needed(self, tokens: int) -> int:
+        """The most pages a sequence of `tokens` tokens (prompt + max_tokens) holds at once: what `submit` checks
+        against the pool, and what a fixed KV budget divided by it says about how many such sequences fit."""
+        # the last token's K/V is never written: tokens - 1 at most are cached
+        need = pages_for(tokens - 1, self.page_size)
+        if self.window:  # the pages of the window before a step's first query and of its chunk, + a partial one
+            need = min(need, pages_for(self.window - 1 + self.max_chunk, self.page_size) + 1)
+        return need
+
+    def submit_samples(self, prompt_ids, num_samples: int, seed: int = 0, **kwargs) -> list:
+        """`num_samples` requests for one prompt that share its pages; returns their ids. Sample i is the request
+        submit(prompt_ids, seed=seed + i, **kwargs) would be (the same tokens), but only sample 0 computes the prompt:
+        the others wait until it has, then hold its full pages (refcounted, as prefix-cache hits, with or without
+        the prefix cache) and compute only the prompt's last partial page."""
+        n = _positive_int("num_samples", num_samples)
+        if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or not 0 <= seed or seed + n > 2**32:
+            raise EngineError(f"seed must be an integer in [0, 2**32 - num_samples], got {seed!r}")
+        ids = [self.submit(prompt_ids, seed=int(seed) + i, **kwargs) for i in range(n)]
+        leader = self._requests[ids[0]]
+        for rid in ids[1:]:
+            self._requests[rid].leader = leader
+        return ids
 
     def _check_ids(self, name, ids) -> list:
         if isinstance(ids, np.ndarray):
@@ -379,8 +402,14 @@ class Engine:
 
     def run(self, requests, *, progress: bool = True) -> list:
         """Submit every request (dicts of submit's arguments) and step until all finish; one RequestResult per
-        request, in order. A tqdm bar counts finished requests."""
-        ids = [self.submit(**r) for r in requests]
+        request, in order. A dict with num_samples=n goes to `submit_samples` and gets a list of n results.
+        A tqdm bar counts finished requests."""
+        groups = []
+        for r in requests:
+            r = dict(r)
+            n = r.pop("num_samples", None)
+            groups.append(self.submit(**r) if n is None else self.submit_samples(num_samples=n, **r))
+        ids = [i for g in groups for i in (g if isinstance(g, list) else [g])]
         bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -394,7 +423,7 @@ class Engine:
         finally:
             if bar is not None:
                 bar.close()
-        return [self.result(i) for i in ids]
+        return [[self.result(i) for i in g] if isinstance(g, list) else self.result(g) for g in groups]
 
     def stats(self) -> dict:
         """Pages held, cached (unreferenced, kept for the prefix cache) and free; requests running and waiting;
@@ -403,6 +432,8 @@ class Engine:
         return {
             "pages_total": self.num_pages,
             "pages_used": book.held,
+            "pages_peak": self._counts["pages_peak"],
+            "decoding_peak": self._counts["decoding_peak"],
             "pages_cached": len(book.cached),
             "pages_free": len(book.free),
             "running": len(self._running),
@@ -426,6 +457,9 @@ class Engine:
         """Run one engine step; returns its events (new tokens, finished and cancelled requests)."""
         events, self._events = self._events, []
         rows = self._schedule()
+        self._counts["pages_peak"] = max(self._counts["pages_peak"], self._book.held)
+        decoding = sum(len(seq.tokens) - seq.computed <= 1 for seq, _ in rows)
+        self._counts["decoding_peak"] = max(self._counts["decoding_peak"], decoding)
         if not rows:
             if self._waiting and not self._running:
                 raise RuntimeError("the scheduler could not admit a request into an empty engine")
@@ -456,7 +490,9 @@ class Engine:
                     scheduled.add(seq)
                     budget -= n
         while self._waiting and len(self._running) < self.max_seqs and budget > 0:
-            seq = self._waiting[0]
+            seq = next((s for s in self._waiting if not self._waits_for_leader(s)), None)
+            if seq is None:
+                break
             keys, hits = self._prefix_hits(seq)
             start = len(hits) * self.page_size
             n = min(len(seq.tokens) - start, budget, self.max_chunk)
@@ -467,7 +503,7 @@ class Engine:
             unreferenced_hits = sum(1 for p in hits if p is not None and self._book.refcount[p] == 0)
             if new_pages > self._book.available - unreferenced_hits:
                 break
-            self._waiting.popleft()
+            self._waiting.remove(seq)
             for p in hits:
                 if p is not None:
                     self._book.hold(p)
@@ -480,10 +516,16 @@ class Engine:
             budget -= n
         return rows
 
+    @staticmethod
+    def _waits_for_leader(seq) -> bool:
+        """A sample of a num_samples group waits until its leader has computed the shared prompt (or finished)."""
+        lead = seq.leader
+        return lead is not None and lead.finish_reason is None and lead.computed < len(lead.prompt)
+
     def _prefix_hits(self, seq) -> tuple:
         """(keys, pages) of the sequence's leading full pages found in the prefix cache; never the page of its last
         token, whose logits must be computed (and requests asking for prompt logprobs compute every token)."""
-        if not self.prefix_cache or seq.want_prompt_logprobs:
+        if (not self.prefix_cache and seq.leader is None) or seq.want_prompt_logprobs:
             return [], []
         ps, keys, pages, key = self.page_size, [], [], b""
         for j in range((len(seq.tokens) - 1) // ps):
