@@ -185,8 +185,9 @@ def bench_serve(
     """The workload on a random-init model of `config`'s shape (see the module docstring). rate: Poisson arrivals
     per second (default: the engine's all-at-once request rate, so the queue neither idles nor grows without end)."""
     m = config.model
-    if prompt_range[1] + new_range[1] > m.max_seq_len:
-        m = m.replace(max_seq_len=prompt_range[1] + new_range[1])
+    # positions up to the workload's longest sequence: the engine's page tables (and so what each step gathers) are
+    # as wide as max_seq_len, and generate's buffers are bucketed anyway
+    m = m.replace(max_seq_len=prompt_range[1] + new_range[1])
     _, params, _ = init_params(m, config.train.seed)
     model = model_from_params(m, params)
     new_bucket = int(new_range[1])

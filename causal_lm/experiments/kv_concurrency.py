@@ -154,8 +154,11 @@ def run(
         rows = max(1, min(max(fits), max_seqs))
         speed = None
         if reps:
+            # positions up to the throughput run's sequences: each step gathers every row's page table, which is
+            # max_seq_len wide (the same weights: a model's parameters do not depend on max_seq_len)
+            short = build_model(config.model.replace(**changes, max_seq_len=prompt_len + new_tokens))
             speed = _throughput(
-                model, storage, rows, page_size=page_size, prompt_len=prompt_len, new_tokens=new_tokens, reps=reps
+                short, storage, rows, page_size=page_size, prompt_len=prompt_len, new_tokens=new_tokens, reps=reps
             )
         results["layouts"][name] = {
             "overrides": {k: str(v) for k, v in changes.items()},
