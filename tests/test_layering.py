@@ -24,8 +24,8 @@ ALLOWED = {
     "serve": {"config", "model", "decode", "parallel"},
     "interop": {"config", "model", "data"},
     "train": {"config", "model", "data", "decode", "parallel", "interop"},
-    "experiments": {"config", "model", "data", "decode", "parallel", "interop", "train"},
-    "bench": {"config", "model", "data", "decode", "parallel", "interop", "train", "compile_cache"},
+    "experiments": {"config", "model", "data", "decode", "parallel", "interop", "train", "serve"},
+    "bench": {"config", "model", "data", "decode", "parallel", "interop", "train", "serve", "compile_cache"},
     "commands": {
         "config",
         "model",
@@ -34,6 +34,7 @@ ALLOWED = {
         "parallel",
         "interop",
         "train",
+        "serve",
         "experiments",
         "bench",
         "compile_cache",

@@ -30,6 +30,7 @@ import time
 import numpy as np
 
 from causal_lm.bench.common import environment, peer_status
+from causal_lm.bench.peer import build_peer
 from causal_lm.config import Config
 from causal_lm.decode import generate
 from causal_lm.interop.hf_weights import model_from_params
@@ -228,8 +229,6 @@ def bench_serve(
             results["all"][f"generate_x{batch}"] = generate_run(model, base, batch, new_bucket)
     peer_model = None
     if status == "ok":
-        from causal_lm.bench.peer import build_peer
-
         peer_model = build_peer(m, params).eval()
         results["all"]["peer"] = peer_run(peer_model, base, new_bucket)
     if "poisson" in arrivals:
