@@ -32,8 +32,9 @@ class WeightError(ValueError):
 _SEEN: dict[int, list] = {}
 
 
-def param_name(path) -> str:
-    """'blocks.mlp.w_up': one dotted name per array of a pytree."""
+def leaf_name(path) -> str:
+    """'blocks.attn.wq' or 'opt_state.1.0.mu.embed': one dotted name per array of a pytree (checkpoint checksums are
+    recorded under these names)."""
     parts = []
     for k in path:
         for attr in ("key", "name", "idx"):
@@ -42,9 +43,13 @@ def param_name(path) -> str:
                 break
         else:
             parts.append(str(k))
-    if parts and parts[-1] == "value":  # an nnx.State's Variable
-        parts.pop()
     return ".".join(parts)
+
+
+def param_name(path) -> str:
+    """'blocks.mlp.w_up': leaf_name without the trailing '.value' of an nnx.State's Variable."""
+    name = leaf_name(path)
+    return name[: -len(".value")] if name.endswith(".value") else name
 
 
 @functools.lru_cache(maxsize=1)

@@ -28,22 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from causal_lm.model.weights import leaf_name
+
 # Odd 32-bit constants (from murmur3 / splitmix); two seeds give two independent 32-bit sums.
 _SEEDS = ((0x9E3779B1, 0x85EBCA77), (0xC2B2AE3D, 0x27D4EB2F))
 _MIX1, _MIX2 = 0x7FEB352D, 0x846CA68B
-
-
-def leaf_name(path) -> str:
-    """'blocks.attn.wq' or 'opt_state.1.0.mu.embed': one dotted name per array of a pytree."""
-    parts = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return ".".join(parts)
 
 
 def _as_uint32(x):
