@@ -655,4 +655,28 @@ MUTANTS = [
         tests=["tests/test_kv_concurrency.py::test_fit_counts_are_what_the_engine_admits"],
         why="a sequence's page bound counts the last token, whose K/V are never written: fewer users fit than do",
     ),
+    dict(
+        name="engine-tables-always-full-width",
+        file="causal_lm/serve/engine.py",
+        old="NP = next(w for w in self.width_buckets if w >= max(len(seq.pages) for seq, _ in rows))",
+        new="NP = self.width_buckets[-1]",
+        tests=["tests/test_engine.py::test_page_tables_are_as_wide_as_the_rows_need"],
+        why="every step gathers and attends over max_seq_len slots per row, whatever the rows hold",
+    ),
+    dict(
+        name="copied-keys-still-read-in-place",
+        file="causal_lm/model/kernels.py",
+        old="if T <= FEW_QUERIES and K > 1 and not keys_copied:",
+        new="if T <= FEW_QUERIES and K > 1:",
+        tests=["tests/test_kernels.py::test_decode_over_copied_keys_runs_heads_major"],
+        why="decode over gathered pages scores every query head against every KV head (K times the reads)",
+    ),
+    dict(
+        name="logits-at-ignored",
+        file="causal_lm/model/transformer.py",
+        old="x = jnp.take_along_axis(x, at[..., None], axis=1)  # [B, K, D]",
+        new="pass",
+        tests=["tests/test_model.py::test_logits_at_projects_only_the_chosen_positions"],
+        why="logits_at projects every position: the engine samples from the wrong one",
+    ),
 ]

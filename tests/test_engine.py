@@ -410,3 +410,19 @@ def test_kv_memory_sizes_the_pool():
     engine = Engine(tiny_model(CONFIGS["gqa"]), max_seqs=2, page_size=4, kv_memory="64KiB", max_step_tokens=8)
     # 2 layers x (K + V: 2 heads x 8 dims) float32 = 256 bytes per token, + 4 for its position: 1040 per page
     assert engine.num_pages == 65536 // 1040
+
+
+def test_page_tables_are_as_wide_as_the_rows_need():
+    """A step reads the pages its rows hold, not the max_seq_len-wide table: short requests run the narrowest
+    width bucket that covers their pages, a longer one the next, and the tokens stay generate's."""
+    model = tiny_model(CONFIGS["gqa"])
+    engine = small_engine(model, page_size=4, num_pages=64, width_buckets=(2, 8))
+    assert engine.width_buckets == (2, 8, 24)  # the whole table (max_seq_len 96 / page_size 4) is always one
+    short = dict(prompt=[5, 6, 7], max_tokens=4, stop=())  # at most 6 cached tokens: 2 pages
+    (res,) = engine.run([dict(prompt_ids=short["prompt"], max_tokens=4)], progress=False)
+    assert engine.stats()["table_widths"] == [2]
+    assert res.tokens == expected(model, short)[0]
+    prompt = list(range(1, 27))  # 26 + 12 tokens: up to 9 pages
+    (res,) = engine.run([dict(prompt_ids=prompt, max_tokens=MAX_NEW)], progress=False)
+    assert engine.stats()["table_widths"] == [2, 8, 24]
+    assert res.tokens == reference(model, prompt)

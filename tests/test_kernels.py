@@ -409,3 +409,16 @@ def test_the_fused_backend_on_the_device_equals_the_reference_in_bf16(case, kv):
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), atol=2e-2, rtol=0, err_msg=name)
     for g, w, what in zip(grads, want, "qkv", strict=True):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w), atol=5e-2, rtol=0, err_msg=f"d{what}")
+
+
+def test_decode_over_copied_keys_runs_heads_major():
+    """A decode step reads a cache in place (in_place_attention: no transpose of the stored layer), but K/V that were
+    just gathered from pages (a paged cache: `keys_copied`) are laid out heads-major for free, and the batched
+    matmuls then score each query head against its own KV head only: the dispatcher picks heads-major for them."""
+    q, k, v = _qkv(1, 40, 2)
+    mask = AttentionMask(jnp.ones((2, 1, 40), bool))
+    assert kernels.select_kernel(q, k, mask) is kernels.in_place_attention
+    assert kernels.select_kernel(q, k, mask, keys_copied=True) is kernels.heads_major_attention
+    out, _ = kernels.attention(q, k, v, mask, scale=0.3, keys_copied=True)
+    ref, _ = kernels.reference_attention(q, k, v, mask, scale=0.3)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=ATOL, rtol=0)

@@ -536,3 +536,19 @@ def test_one_backend_table_serves_config_validation_and_the_backend_choice():
     for feature in ("sink", "softcap"):
         want = "cudnn" if ATTENTION_BACKENDS["cudnn"].__dict__[feature] else None
         assert backends.resolve("auto", "gpu", "bfloat16", 64, **{feature: True}) == want
+
+
+def test_logits_at_projects_only_the_chosen_positions():
+    """forward(..., logits_at=[B, K]) gives the logits of those positions (a sampler needs one per row, the engine
+    the last fed token of each row), equal to the full projection's, and refuses indices outside the call."""
+    model = tiny_model(tiny_config("gqa"))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, model.config.vocab_size, (2, 7)), jnp.int32)
+    full = model.forward(tokens).logits
+    at = np.asarray([[6, 0], [3, 3]], np.int32)
+    picked = model.forward(tokens, logits_at=at).logits
+    assert picked.shape == (2, 2, full.shape[-1])
+    want = np.take_along_axis(np.asarray(full), at[..., None], axis=1)
+    np.testing.assert_allclose(np.asarray(picked), want, atol=1e-5, rtol=0)
+    for bad in ([[7, 0], [0, 0]], [[-1, 0], [0, 0]], [[0], [0], [0]]):
+        with pytest.raises(InputError, match="logits_at"):
+            model.forward(tokens, logits_at=np.asarray(bad))

@@ -260,12 +260,24 @@ def xla_dot_product_attention(q, k, v, mask: AttentionMask, *, scale, sink=None,
 
 
 def attention(
-    q, k, v, mask: AttentionMask, *, impl: str = "xla", scale=None, sink=None, softcap=None, return_weights=False
+    q,
+    k,
+    v,
+    mask: AttentionMask,
+    *,
+    impl: str = "xla",
+    scale=None,
+    sink=None,
+    softcap=None,
+    return_weights=False,
+    keys_copied=False,
 ):
     """Attention output [B, T, N, Hv] and, with return_weights, the weights [B, N, T, S] (else None).
 
     The kernel is chosen from static facts only: the config's implementation family, the number of queries, the
-    KV head count and the mask's structure. Every choice computes the reference's result (tests/test_kernels.py).
+    KV head count, the mask's structure and whether K/V are a fresh copy (`keys_copied`: a paged cache gathers
+    each row's pages into one, so laying that copy out heads-major costs nothing). Every choice computes the
+    reference's result (tests/test_kernels.py).
     """
     scale = default_scale(q.shape[-1]) if scale is None else scale
     if return_weights:
@@ -282,15 +294,19 @@ def attention(
         )
         if fused is not None and backends.applies(mask, q, k):
             return backends.KERNELS[fused](q, k, v, mask, scale=scale, sink=sink, softcap=softcap), None
-    return select_kernel(q, k, mask, impl)(q, k, v, mask, scale=scale, sink=sink, softcap=softcap), None
+    kernel = select_kernel(q, k, mask, impl, keys_copied=keys_copied)
+    return kernel(q, k, v, mask, scale=scale, sink=sink, softcap=softcap), None
 
 
-def select_kernel(q, k, mask: AttentionMask, impl: str = "xla"):
+def select_kernel(q, k, mask: AttentionMask, impl: str = "xla", *, keys_copied: bool = False):
     """The kernel `attention` uses for these shapes and this mask (a function of static facts)."""
     T, S, K = q.shape[1], k.shape[1], k.shape[2]
     if impl == "dot_product_attention":
         return xla_dot_product_attention
-    if T <= FEW_QUERIES and K > 1:  # with one KV head (MQA) the heads-major transpose of K/V is free
+    # With one KV head (MQA) the heads-major transpose of K/V is free; when K/V were just gathered (a paged cache)
+    # the gather writes them heads-major at no extra cost, and the batched matmuls then read each row once instead
+    # of meeting every KV head with every query head (measured: 16 rows x 512 slots x 6 heads, 16.3 -> 7.8 ms).
+    if T <= FEW_QUERIES and K > 1 and not keys_copied:
         return in_place_attention
     block = causal_query_block(T)
     if 0 < block < T:

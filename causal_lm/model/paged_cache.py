@@ -136,6 +136,7 @@ class PagedKVCache:
         return self.table.shape[1] * self.pool.page_size
 
     bounded = True
+    copies_keys = True  # `update` returns a gathered copy of each row's pages (the kernels may lay it out freely)
 
     def check_matches(self, config: ModelConfig) -> None:
         """CacheError naming the first field in which the pool differs from what init_pool builds for `config`

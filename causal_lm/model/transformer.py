@@ -202,13 +202,20 @@ class Decoder(nnx.Module):
         input_embeddings=None,
         return_hidden=False,
         layers=None,
+        logits_at=None,
     ) -> ModelOutput:
         """The whole forward pass as a `ModelOutput`. input_embeddings [B, T, D] replaces the token lookup (for
-        gradient probes such as the no-leak test); tokens still give the shape.
+        gradient probes such as the no-leak test); tokens still give the shape. logits_at [B, K] int: compute the
+        logits only at these indices along T (logits [B, K, V]; a sampler needs one per row, and the output
+        projection of every other token would be wasted: 49,152 x 576 multiply-adds a token on the 135M shape).
 
         Called eagerly (concrete weights), the parameters are checked finite first, once per array object (see
         `causal_lm.model.weights`); under jit the caller checks them (generate, functional.forward)."""
         self.validate(tokens, positions, segment_ids, cache)
+        if logits_at is not None and _is_concrete(logits_at):
+            at, shape = np.asarray(logits_at), np.shape(tokens)
+            if at.ndim != 2 or at.shape[0] != shape[0] or at.size and not (0 <= at.min() and at.max() < shape[1]):
+                raise InputError(f"logits_at must be [B={shape[0]}, K] indices in [0, {shape[1]}), got {at.tolist()}")
         if not isinstance(self.embed[...], jax.core.Tracer):
             check_weights(self)
         c = self.config
@@ -249,6 +256,9 @@ class Decoder(nnx.Module):
         x, cache, weights, hidden = self._run_blocks(x, ctx, cache, layers, return_hidden)
         if return_hidden:
             hidden = jnp.concatenate([x0[None], hidden], axis=0)  # [L+1, B, T, D]
+        if logits_at is not None:
+            at = jnp.clip(jnp.asarray(logits_at, jnp.int32), 0, T - 1)  # indices the caller computed, inside T
+            x = jnp.take_along_axis(x, at[..., None], axis=1)  # [B, K, D]
         x = self.final_norm(x)
         head = self.embed[...].T if c.tie_embeddings else self.lm_head[...]
         logits = project(x, head.astype(dt), preferred_element_type=jnp.float32)  # [B, T, V]

@@ -27,10 +27,13 @@ Scheduler (host, each step):
   2. waiting requests, first come first served, while a row, budget and pages for their first chunk remain; a
      prompt whose leading full pages are in the prefix cache holds those pages instead of computing them (at most
      (len - 1) // page_size pages: the last token is always computed, its logits give the first new token).
-Compiled programs: one per (batch rows, step tokens) bucket, at most len(batch_buckets) x len(token_buckets) (by
-default rows 1, 2, 4, ... max_seqs and tokens 1, 4, 16, ... max_step_tokens); a step pads its rows and its longest
-chunk up to the next bucket, so every row of a step with a prompt chunk costs as much as that chunk (the program is
-[rows, tokens], not a ragged batch). Decode-only steps run the one-token programs.
+A step runs up to two calls of the step program: its decoding rows (one token each) and its prompt chunks, each
+padded to its (rows, tokens, table width) bucket; kept apart, no decoding row pays for a chunk's length. Logits are
+projected at each row's last fed token only (all of them only for a request that asked for prompt logprobs).
+Compiled programs: one per (rows, tokens, table width) bucket met, at most len(batch_buckets) x len(token_buckets)
+x len(width_buckets) (x 2 with prompt logprobs); by default rows 1, 2, 4, ... max_seqs, tokens 1, 4, 16, ...
+max_step_tokens and table widths (pages) doubling from 256 tokens' worth up to max_seq_len's. A row's table is cut
+to the call's width, so attention reads (and the view gathers) the pages the rows hold, not max_seq_len slots.
 """
 
 from __future__ import annotations
@@ -138,21 +141,28 @@ class StepOutput:
     stopped: jax.Array  # [B] bool: the sampled token is one of the row's stop ids
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("pool",))
-def _step_program(state, pool: PagePool, batch: StepBatch, *, graphdef):
-    """The model over one step's rows through the page tables, then each row's next token and log-probabilities."""
+@functools.partial(jax.jit, static_argnames=("graphdef", "all_logits"), donate_argnames=("pool",))
+def _step_program(state, layers, pool: PagePool, batch: StepBatch, *, graphdef, all_logits: bool):
+    """The model over one call's rows through their page tables, then each row's next token and log-probabilities.
+    Logits are projected at each row's last fed token only, unless `all_logits` (a row is scoring its prompt)."""
     global _traces
     _traces += 1
     model = nnx.merge(graphdef, state)
     B, T = batch.tokens.shape
     cache = pool.view(batch.table, batch.lengths, batch.fresh)
     segment = (jnp.arange(T, dtype=jnp.int32)[None, :] < batch.n_valid[:, None]).astype(jnp.int32)
-    logits, cache = model(batch.tokens, segment_ids=segment, cache=cache)  # [B, T, V] float32
-    logp_all = jax.nn.log_softmax(logits, axis=-1)
-    target = jnp.take_along_axis(logp_all, jnp.maximum(batch.targets, 0)[..., None], axis=-1)[..., 0]
     last = jnp.clip(batch.n_valid - 1, 0, T - 1)
-    last_logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # [B, V]
-    logp = jnp.take_along_axis(logp_all, last[:, None, None], axis=1)[:, 0]
+    if all_logits:
+        logits, cache = model(batch.tokens, segment_ids=segment, cache=cache, layers=layers)  # [B, T, V] float32
+        logp_all = jax.nn.log_softmax(logits, axis=-1)
+        target = jnp.take_along_axis(logp_all, jnp.maximum(batch.targets, 0)[..., None], axis=-1)[..., 0]
+        target_logprobs = jnp.where(batch.targets >= 0, target, 0.0)
+        last_logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # [B, V]
+    else:
+        out = model.forward(batch.tokens, segment_ids=segment, cache=cache, logits_at=last[:, None], layers=layers)
+        last_logits, cache = out.logits[:, 0], out.cache
+        target_logprobs = jnp.zeros((B, T), jnp.float32)
+    logp = jax.nn.log_softmax(last_logits, axis=-1)
     token = batch.sampling.sample(last_logits, batch.index)
     top_logprobs, top_ids = jax.lax.top_k(logp, min(MAX_LOGPROBS, logp.shape[-1]))
     out = StepOutput(
@@ -160,7 +170,7 @@ def _step_program(state, pool: PagePool, batch: StepBatch, *, graphdef):
         logprob=jnp.take_along_axis(logp, token[:, None], axis=1)[:, 0],
         top_ids=top_ids.astype(jnp.int32),
         top_logprobs=top_logprobs,
-        target_logprobs=jnp.where(batch.targets >= 0, target, 0.0),
+        target_logprobs=target_logprobs,
         stopped=batch.sampling.stopped(token),
     )
     return cache.pool, out
@@ -200,9 +210,10 @@ class Engine:
     max_seqs: rows running at once. page_size: slots per page. kv_memory ("1GiB", "512MiB", bytes) or num_pages:
     the pool's size. max_step_tokens: tokens one step feeds (decode tokens plus prompt chunks; at least max_seqs,
     so every running sequence advances each step). cache_dtype: the pages' storage type (float32, bfloat16,
-    float16, int8, float8_e4m3fn; default the model's compute dtype). batch_buckets / token_buckets: the compiled
-    programs' row counts and chunk lengths (default: powers of two up to max_seqs; 1, 4, 16, ... up to
-    max_step_tokens).
+    float16, int8, float8_e4m3fn; default the model's compute dtype). batch_buckets / token_buckets / width_buckets:
+    the compiled programs' row counts, chunk lengths and page-table widths in pages (default: powers of two up to
+    max_seqs; 1, 4, 16, ... up to max_step_tokens; doubling from 256 tokens' worth of pages up to max_seq_len's;
+    max_seqs and the whole table are always buckets).
     prefix_cache: share the full pages of common prompt prefixes between requests.
     """
 
@@ -218,6 +229,7 @@ class Engine:
         cache_dtype: str | None = None,
         batch_buckets=None,
         token_buckets=None,
+        width_buckets=None,
         prefix_cache: bool = True,
     ):
         c = model.config
@@ -238,15 +250,25 @@ class Engine:
             if num_pages < 1:
                 raise EngineError(f"kv_memory={kv_memory!r} holds no page of {per_page} bytes")
         self.num_pages = _positive_int("num_pages", num_pages)
-        self.batch_buckets = self._buckets("batch_buckets", batch_buckets, _powers(2, self.max_seqs))
+        self.batch_buckets = self._buckets("batch_buckets", batch_buckets, _powers(2, self.max_seqs), keep_limit=True)
         self.token_buckets = self._buckets("token_buckets", token_buckets, _powers(4, self.max_step_tokens))
         self.max_chunk = self.token_buckets[-1]
         self.prefix_cache = bool(prefix_cache)
         self.table_width = pages_for(c.max_seq_len, self.page_size)  # pages a row's table reaches
+        # A call's page tables are as wide as its rows need (rounded up to a bucket), not max_seq_len: attention
+        # reads (and the view gathers) only those pages' slots.
+        narrowest = min(self.table_width, pages_for(min(256, c.max_seq_len), self.page_size))
+        self.width_buckets = self._buckets(
+            "width_buckets",
+            width_buckets,
+            tuple(w for w in _powers(2, self.table_width) if w >= narrowest),
+            keep_limit=True,
+        )
         # When every layer is local, a page wholly before the widest window of a row's next query is returned.
         self.window = max(c.layer_windows) if all(c.layer_windows) else 0
 
         self._graphdef, self._state = nnx.split(model)
+        self._layers = model.split_layers()
         self._pool = init_pool(c, self.num_pages, self.page_size, cache_dtype)
         self.cache_dtype = self._pool.storage
         self._book = PageBook(self.num_pages)
@@ -258,12 +280,15 @@ class Engine:
         self._next_id = 0
         self._counts = collections.Counter()
         self._shapes = set()
+        self._widths = set()  # page-table widths (pages) the step programs ran with
 
-    def _buckets(self, name, given, default):
+    def _buckets(self, name, given, default, *, keep_limit=False):
+        """Sorted distinct positive sizes, each at most default[-1]; keep_limit: default[-1] is always one (the
+        largest rows or table a step may need)."""
         limit = default[-1]
         if given is None:
             return default
-        b = tuple(sorted({_positive_int(name, x) for x in given}))
+        b = tuple(sorted({_positive_int(name, x) for x in given} | ({limit} if keep_limit else set())))
         if not b or b[-1] > limit:
             raise EngineError(f"{name} must be non-empty, each at most {limit}, got {given!r}")
         return b
@@ -446,6 +471,7 @@ class Engine:
             "steps": self._counts["steps"],
             "programs_compiled": self._counts["traces"],
             "program_shapes": sorted(self._shapes),
+            "table_widths": sorted(self._widths),
         }
 
     def refcounts(self) -> np.ndarray:
@@ -464,15 +490,25 @@ class Engine:
             if self._waiting and not self._running:
                 raise RuntimeError("the scheduler could not admit a request into an empty engine")
             return events
-        batch, shape = self._batch(rows)
-        self._shapes.add(shape)
+        # Decoding rows and prompt chunks run as separate calls: padded to one [rows, tokens] program, every
+        # decoding row would cost as much as the longest chunk.
+        calls = [g for g in ([r for r in rows if r[1] == 1], [r for r in rows if r[1] > 1]) if g]
+        fresh, self._fresh = self._fresh, []
+        outputs = []
         before = _traces
-        self._pool, out = _step_program(self._state, self._pool, batch, graphdef=self._graphdef)
-        out = jax.device_get(out)
+        for i, group in enumerate(calls):
+            batch, shape, all_logits = self._batch(group, fresh if i == 0 else [])
+            self._shapes.add(shape)
+            self._pool, out = _step_program(
+                self._state, self._layers, self._pool, batch, graphdef=self._graphdef, all_logits=all_logits
+            )
+            outputs.append((group, out))
         self._counts["traces"] += _traces - before
         self._counts["steps"] += 1
-        for b, (seq, n) in enumerate(rows):
-            events.extend(self._advance(seq, n, b, out))
+        for group, out in outputs:
+            out = jax.device_get(out)
+            for b, (seq, n) in enumerate(group):
+                events.extend(self._advance(seq, n, b, out))
         return events
 
     def _schedule(self) -> list:
@@ -589,11 +625,15 @@ class Engine:
         else:
             self._waiting.remove(seq)
 
-    def _batch(self, rows) -> tuple:
-        """The step's StepBatch, padded to its (rows, tokens) bucket, and that bucket."""
+    def _batch(self, rows, fresh) -> tuple:
+        """One call's StepBatch, padded to its (rows, tokens, table width) bucket; its (rows, tokens) bucket; and
+        whether it needs every fed token's logits (a row scoring its prompt). `fresh`: pages handed out since the
+        last step (their slots are emptied before this call writes or reads)."""
         B = next(b for b in self.batch_buckets if b >= len(rows))
         T = next(t for t in self.token_buckets if t >= max(n for _, n in rows))
-        P, NP = self.num_pages, self.table_width
+        NP = next(w for w in self.width_buckets if w >= max(len(seq.pages) for seq, _ in rows))
+        self._widths.add(NP)
+        P = self.num_pages
         tokens = np.zeros((B, T), np.int32)
         targets = np.full((B, T), -1, np.int32)
         n_valid = np.zeros(B, np.int32)
@@ -608,12 +648,11 @@ class Engine:
             n_valid[b], lengths[b] = n, seq.computed
             table[b, : len(seq.pages)] = [P if p is None else p for p in seq.pages]
             index[b] = len(seq.generated)
-        F = B * (pages_for(T, self.page_size) + 1)  # the most pages one step can hand out
-        if len(self._fresh) > F:
-            raise RuntimeError(f"{len(self._fresh)} pages handed out in one step, more than {F}")
-        fresh = np.full(F, P, np.int32)
-        fresh[: len(self._fresh)] = self._fresh
-        self._fresh = []
+        F = self.max_seqs * (pages_for(self.max_chunk, self.page_size) + 1)  # the most pages one step hands out
+        if len(fresh) > F:
+            raise RuntimeError(f"{len(fresh)} pages handed out in one step, more than {F}")
+        fresh_ids = np.full(F, P, np.int32)
+        fresh_ids[: len(fresh)] = fresh
         pad = B - len(rows)
         seqs = [s for s, _ in rows]
         sampling = SamplingParams.make(
@@ -623,8 +662,9 @@ class Engine:
             [s.seed for s in seqs] + [0] * pad,
             [s.stop for s in seqs] + [()] * pad,
         )
-        batch = StepBatch(tokens, n_valid, lengths, table, fresh, targets, index, sampling)
-        return batch, (B, T)
+        all_logits = any(s.want_prompt_logprobs and len(s.prompt_lp) < len(s.prompt) for s in seqs)
+        batch = StepBatch(tokens, n_valid, lengths, table, fresh_ids, targets, index, sampling)
+        return batch, (B, T), all_logits
 
     def _advance(self, seq, n: int, b: int, out: StepOutput) -> list:
         """Book a row's step: its K/V are in its pages (full pages join the prefix cache), its prompt logprobs, and
