@@ -655,4 +655,25 @@ MUTANTS = [
         tests=["tests/test_kv_concurrency.py::test_fit_counts_are_what_the_engine_admits"],
         why="a sequence's page bound counts the last token, whose K/V are never written: fewer users fit than do",
     ),
+    # ---- post-training (issue 32) ---------------------------------------------------------------------------------
+    dict(
+        name="sft-loss-mask-dropped",
+        file="causal_lm/data/pipeline.py",
+        old="w = w & mask[..., 1:]",
+        new="w = w & True",
+        tests=["tests/test_post_training.py::test_loss_ignores_non_assistant_targets"],
+        why="SFT trains on the user's tokens: the assistant mask never reaches the loss weights",
+    ),
+    dict(
+        name="sft-loss-mask-shifted",
+        file="causal_lm/data/pipeline.py",
+        old="w = w & mask[..., 1:]",
+        new="w = w & mask[..., :-1]",
+        tests=[
+            "tests/test_post_training.py::test_mask_covers_exactly_the_assistant_replies_and_their_end",
+            "tests/test_post_training.py::test_loss_ignores_non_assistant_targets",
+            "tests/test_post_training.py::test_sft_data_weights_only_assistant_tokens",
+        ],
+        why="the mask applied to inputs instead of targets: the turn's first reply token is not trained, the header's last is",
+    ),
 ]

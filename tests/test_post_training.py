@@ -1,0 +1,139 @@
+"""Post-training (causal_lm/train/post.py, docs/post-training.md): chat SFT's assistant-only loss.
+
+The bug classes: a loss that trains on the user's tokens (the mask lost or shifted by one on its way from the
+rendered conversation to the targets), packed conversations that see each other.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from causal_lm.config import Config, ConfigError, DataConfig, ModelConfig, TrainConfig
+from causal_lm.data import ByteTokenizer, DataError
+from causal_lm.data.pipeline import pack, rows_to_batch
+from causal_lm.train.post import build_sft_data, encode_conversation, synthetic_conversations
+from causal_lm.train.state import init_params
+from causal_lm.train.step import loss_and_grads
+
+TINY = ModelConfig(vocab_size=259, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=48, max_seq_len=128)
+CONV = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": "5."},
+    {"role": "user", "content": "And 4 - 1?"},
+    {"role": "assistant", "content": "3."},
+]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    graphdef, params, rest = init_params(TINY, 0)
+    return graphdef, params, rest
+
+
+# ---- SFT -----------------------------------------------------------------------------------------------------
+def test_mask_covers_exactly_the_assistant_replies_and_their_end():
+    tok = ByteTokenizer()
+    ids, mask = encode_conversation(tok, CONV)
+    assert len(ids) == len(mask)
+    trained = [i for i, m in zip(ids, mask, strict=True) if m]
+    assert trained == tok.encode("5.") + [tok.eos_id] + tok.encode("3.") + [tok.eos_id]
+    assert tok.decode([i for i, m in zip(ids, mask, strict=True) if not m]).startswith("System: Be brief.\nUser:")
+
+
+def _batch(convs, seq_len=64):
+    tok = ByteTokenizer()
+    enc = [encode_conversation(tok, c) for c in convs]
+    flat = np.asarray([x for ids, _ in enc for x in ids], np.int32)
+    mask = np.asarray([x for _, m in enc for x in m], bool)
+    rows = pack(flat, np.asarray([len(ids) for ids, _ in enc]), seq_len, tok.pad_id, mask=mask)
+    return rows_to_batch(rows.tokens, rows.segments, rows.mask), rows
+
+
+@pytest.fixture(scope="module")
+def grads_of(tiny):
+    graphdef, params, rest = tiny
+    fn = jax.jit(lambda p, b: loss_and_grads(graphdef, p, rest, b)[:2])
+    return lambda batch: jax.device_get(fn(params, batch))
+
+
+def test_loss_ignores_non_assistant_targets(grads_of):
+    """Changing a user token's target leaves the loss and every gradient unchanged; an assistant token's changes
+    them."""
+    batch, _ = _batch([CONV])
+    w = batch["weights"][0]
+    user_pos = int(np.flatnonzero(w == 0)[3])  # a target inside the system/user text
+    asst_pos = int(np.flatnonzero(w == 1)[0])
+    loss0, g0 = grads_of(batch)
+
+    def changed(pos):
+        b = {k: v.copy() for k, v in batch.items()}
+        b["targets"][0, pos] = (b["targets"][0, pos] + 1) % 256
+        return grads_of(b)
+
+    loss1, g1 = changed(user_pos)
+    assert loss1 == loss0
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True))
+    loss2, g2 = changed(asst_pos)
+    assert loss2 != loss0
+    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g2), strict=True))
+
+
+def test_packing_keeps_conversations_apart(tiny):
+    """Two conversations packed in one row: separate segments, and the second one's logits equal its logits alone."""
+    graphdef, params, rest = tiny
+    other = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."}]
+    batch, rows = _batch([other, CONV], seq_len=96)
+    seg = batch["segment_ids"][0]
+    assert set(seg.tolist()) >= {1, 2}
+    start = int(np.argmax(seg == 2))
+    assert batch["weights"][0, start - 1] == 0  # the boundary is never a target
+    alone, _ = _batch([CONV], seq_len=96)
+    model = nnx.merge(graphdef, params, rest)
+    packed = model(jnp.asarray(batch["tokens"]), segment_ids=jnp.asarray(batch["segment_ids"]))[0]
+    single = model(jnp.asarray(alone["tokens"]), segment_ids=jnp.asarray(alone["segment_ids"]))[0]
+    n = int((seg == 2).sum())
+    np.testing.assert_allclose(packed[0, start : start + n], single[0, :n], atol=1e-5)
+    np.testing.assert_array_equal(batch["weights"][0, start : start + n - 1], alone["weights"][0, : n - 1])
+
+
+def _sft_config(**train):
+    return Config(
+        model=TINY,
+        data=DataConfig(corpus="synthetic-chat", max_documents=200),
+        train=TrainConfig(task="sft", batch_size=4, seq_len=64, **train),
+    )
+
+
+def test_sft_data_weights_only_assistant_tokens():
+    data = build_sft_data(_sft_config())
+    batch = next(data.train)
+    tok = data.tokenizer
+    trained = batch["targets"][batch["weights"] > 0]
+    untrained = batch["targets"][(batch["weights"] == 0) & (batch["segment_ids"] > 0)]
+    assert tok.decode(trained).count("The answer is") >= 1
+    assert "What is" not in tok.decode(trained) and "User:" not in tok.decode(trained)
+    assert "User:" in tok.decode(untrained)
+    assert data.info["val_tokens"] > 0 and data.val[0]["weights"].sum() > 0  # eval reports assistant-token loss
+
+
+def test_synthetic_set_is_fixed_by_its_seed():
+    assert synthetic_conversations(5, 1) == synthetic_conversations(5, 1) != synthetic_conversations(5, 2)
+
+
+def test_bad_sft_input_fails_before_compute(tmp_path):
+    with pytest.raises(ConfigError, match="train.task must be one of"):
+        TrainConfig(task="rlhf")
+    with pytest.raises(ConfigError, match="needs conversations"):
+        build_sft_data(dataclasses.replace(_sft_config(), data=DataConfig(corpus="builtin")))
+    bad = tmp_path / "c.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": []}\n')
+    with pytest.raises(DataError, match="c.jsonl:1: the conversation has no assistant message"):
+        build_sft_data(dataclasses.replace(_sft_config(), data=DataConfig(corpus=str(bad))))
+    bad.write_text('{"text": "hi"}\n')
+    with pytest.raises(DataError, match="c.jsonl:1: the record has no 'messages'"):
+        build_sft_data(dataclasses.replace(_sft_config(), data=DataConfig(corpus=str(bad))))
