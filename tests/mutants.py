@@ -674,6 +674,6 @@ MUTANTS = [
             "tests/test_post_training.py::test_loss_ignores_non_assistant_targets",
             "tests/test_post_training.py::test_sft_data_weights_only_assistant_tokens",
         ],
-        why="the mask applied to inputs instead of targets: the turn's first reply token is not trained, the header's last is",
+        why="the mask applied to inputs, not targets: a reply's first token is not trained, the header's last is",
     ),
 ]
