@@ -676,4 +676,20 @@ MUTANTS = [
         ],
         why="the mask applied to inputs, not targets: a reply's first token is not trained, the header's last is",
     ),
+    dict(
+        name="grpo-ratio-inverted",
+        file="causal_lm/train/grpo.py",
+        old="ratio = jnp.exp(new_logp - old_logp)",
+        new="ratio = jnp.exp(old_logp - new_logp)",
+        tests=["tests/test_post_training.py::test_grpo_loss_clips_the_ratio"],
+        why="the importance ratio is sampler over trainer: updates push the wrong way once the policy moves",
+    ),
+    dict(
+        name="sampler-logprob-ignores-the-filters",
+        file="causal_lm/decode/sampling.py",
+        old="filtered = jax.lax.cond(t > 0, lambda x: filtered_logits(x, t, k, p), lambda x: x, x)",
+        new="filtered = x",
+        tests=["tests/test_post_training.py::test_sampler_logprobs_equal_the_trainers[top_k]"],
+        why="sample_logprobs of the untruncated, untempered distribution: GRPO trains off-policy (TRL #4159)",
+    ),
 ]

@@ -15,6 +15,7 @@ from flax import nnx
 from causal_lm.config import Config, ConfigError, DataConfig, ModelConfig, TrainConfig
 from causal_lm.data import ByteTokenizer, DataError
 from causal_lm.data.pipeline import pack, rows_to_batch
+from causal_lm.train.grpo import GRPOSettings, GRPOTrainer, group_advantages, grpo_loss, token_logprobs
 from causal_lm.train.post import build_sft_data, encode_conversation, synthetic_conversations
 from causal_lm.train.state import init_params
 from causal_lm.train.step import loss_and_grads
@@ -43,6 +44,8 @@ def test_mask_covers_exactly_the_assistant_replies_and_their_end():
     trained = [i for i, m in zip(ids, mask, strict=True) if m]
     assert trained == tok.encode("5.") + [tok.eos_id] + tok.encode("3.") + [tok.eos_id]
     assert tok.decode([i for i, m in zip(ids, mask, strict=True) if not m]).startswith("System: Be brief.\nUser:")
+    batch, _ = _batch([CONV])  # packed: the weighted targets are exactly the replies and their ends
+    assert batch["targets"][batch["weights"] > 0].tolist() == trained
 
 
 def _batch(convs, seq_len=64):
@@ -137,3 +140,108 @@ def test_bad_sft_input_fails_before_compute(tmp_path):
     bad.write_text('{"text": "hi"}\n')
     with pytest.raises(DataError, match="c.jsonl:1: the record has no 'messages'"):
         build_sft_data(dataclasses.replace(_sft_config(), data=DataConfig(corpus=str(bad))))
+
+
+# ---- logprob parity and GRPO ---------------------------------------------------------------------------------
+PARITY_ATOL = 1e-5  # float32 on CPU: measured max |engine - trainer| about 4e-6 (docs/post-training.md)
+SETTINGS = {
+    "greedy": dict(temperature=0.0),
+    "temperature": dict(temperature=0.7),
+    "top_k": dict(temperature=1.0, top_k=5),
+    "top_p": dict(temperature=1.0, top_p=0.6),
+}
+RL_MODEL = dataclasses.replace(TINY, init_std=0.5, max_seq_len=48)
+
+
+@pytest.fixture(scope="module")
+def rl_model():
+    graphdef, params, rest = init_params(RL_MODEL, 0)
+    return nnx.merge(graphdef, params, rest)
+
+
+@pytest.fixture(scope="module")
+def rollouts(rl_model):
+    from causal_lm.serve import Engine
+
+    engine = Engine(rl_model, max_seqs=8, page_size=8, num_pages=64, max_step_tokens=16)
+    prompt = ByteTokenizer().encode("User: What is 2 + 3?\nAssistant: ")
+    reqs = [dict(prompt_ids=prompt, max_tokens=10, seed=i, **kw) for i, kw in enumerate(SETTINGS.values())]
+    return dict(zip(SETTINGS, engine.run(reqs, progress=False), strict=True))
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_sampler_logprobs_equal_the_trainers(rl_model, rollouts, name):
+    """The engine's sample_logprobs (the distribution each token was drawn from) equal the trainer's recomputation
+    from one forward pass, with the same settings, for greedy, temperature, top-k and top-p."""
+    from causal_lm.train.grpo import rollout_batch
+
+    res, kw = rollouts[name], SETTINGS[name]
+    batch, _ = rollout_batch([[res]], [0.0], RL_MODEL.max_seq_len - 1)
+    new = np.asarray(
+        token_logprobs(
+            rl_model,
+            jnp.asarray(batch["tokens"]),
+            jnp.asarray(batch["targets"]),
+            jnp.asarray(batch["segment_ids"]),
+            kw.get("temperature", 1.0),
+            kw.get("top_k", 0),
+            kw.get("top_p", 1.0),
+        )
+    )[0]
+    on = batch["weights"][0] > 0
+    assert on.sum() == len(res.tokens)
+    np.testing.assert_allclose(new[on], res.sample_logprobs, atol=PARITY_ATOL, rtol=0)
+    if name == "greedy":  # greedy: the model's own distribution, what `logprobs` reports
+        np.testing.assert_allclose(res.sample_logprobs, res.logprobs, atol=1e-6, rtol=0)
+    if name in ("top_k", "top_p"):  # the truncated distribution is renormalized: every drawn token gains
+        assert all(s > lp for s, lp in zip(res.sample_logprobs, res.logprobs, strict=True))
+
+
+def test_group_advantages_are_normalized_per_group():
+    r = np.array([[1.0, 0.0, 0.0, 1.0], [5.0, 5.0, 5.0, 5.0], [0.0, 3.0, 6.0, 9.0]])
+    a = group_advantages(r)
+    np.testing.assert_allclose(a.mean(axis=1), 0.0, atol=1e-6)
+    np.testing.assert_allclose(a[0], [1, -1, -1, 1], atol=1e-5)
+    np.testing.assert_array_equal(a[1], 0.0)  # a group that agrees teaches nothing
+    np.testing.assert_allclose(a[2].std(), 1.0, atol=1e-5)
+
+
+def test_grpo_loss_clips_the_ratio():
+    """A hand computation: ratio 1.5, eps 0.2: advantage +1 gains only up to 1.2, advantage -1 pays the full 1.5."""
+    new = jnp.log(jnp.array([[1.5, 1.0]]))
+    old = jnp.zeros((1, 2))
+    w = jnp.array([[1.0, 0.0]])
+    loss_pos, stats = grpo_loss(new, old, jnp.array([1.0]), w, 0.2)
+    loss_neg, _ = grpo_loss(new, old, jnp.array([-1.0]), w, 0.2)
+    np.testing.assert_allclose([loss_pos, loss_neg], [-1.2, 1.5], rtol=1e-6)
+    np.testing.assert_allclose(stats["ratio_max"], 1.5, rtol=1e-6)
+    assert float(stats["ratio_max_dev"]) == pytest.approx(0.5)
+
+
+def ascii_share(completion: str, answer) -> float:
+    """A toy reward a random byte model can climb: the share of ASCII characters in its reply (about half at the
+    start: bytes >= 128 decode to U+FFFD)."""
+    return sum(c.isascii() for c in completion) / max(len(completion), 1)
+
+
+@pytest.mark.slow
+def test_grpo_first_ratio_is_one_and_a_short_run_raises_the_reward(rl_model):
+    trainer = GRPOTrainer(
+        rl_model,
+        ByteTokenizer(),
+        GRPOSettings(
+            group_size=8,
+            prompts_per_step=2,
+            max_new_tokens=8,
+            learning_rate=3e-2,
+            reward="test_post_training:ascii_share",
+            kl_coef=0.01,
+        ),
+    )
+    records = [trainer.step() for _ in range(8)]
+    first = records[0]
+    assert first["ratio_max_dev"] <= 2 * PARITY_ATOL  # on-policy: the ratio is 1 up to the parity bound
+    assert first["kl"] == 0.0  # the reference is the starting weights
+    start = np.mean([r["reward_mean"] for r in records[:2]])
+    end = np.mean([r["reward_mean"] for r in records[-2:]])
+    assert end > start + 0.1, (start, end)
