@@ -5,6 +5,7 @@ rendered conversation to the targets), packed conversations that see each other.
 """
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -245,3 +246,40 @@ def test_grpo_first_ratio_is_one_and_a_short_run_raises_the_reward(rl_model):
     start = np.mean([r["reward_mean"] for r in records[:2]])
     end = np.mean([r["reward_mean"] for r in records[-2:]])
     assert end > start + 0.1, (start, end)
+
+
+# ---- DPO -----------------------------------------------------------------------------------------------------
+def test_dpo_loss_equals_a_hand_computation():
+    from causal_lm.train.dpo import dpo_loss
+
+    pc, pr, rc, rr = (jnp.array(x) for x in ([-3.0, -5.0], [-4.0, -2.0], [-3.5, -4.0], [-3.0, -3.0]))
+    loss, stats = dpo_loss(pc, pr, rc, rr, beta=0.5)
+    m = 0.5 * ((np.array([-3.0, -5.0]) - [-3.5, -4.0]) - (np.array([-4.0, -2.0]) - [-3.0, -3.0]))  # [0.75, 0.0]
+    want = np.mean(np.log1p(np.exp(-m)))
+    np.testing.assert_allclose(loss, want, rtol=1e-6)
+    np.testing.assert_allclose(stats["reward_margin"], m.mean(), rtol=1e-6)
+    assert float(stats["reward_accuracy"]) == 0.5
+
+
+def test_dpo_at_the_reference_is_ln2_then_learns_the_preference(tmp_path):
+    from causal_lm.train.dpo import DPOTrainer, encode_pairs, read_preferences
+
+    path = tmp_path / "prefs.jsonl"
+    recs = [
+        {
+            "prompt": f"What is {a} + {b}?",
+            "chosen": f"The answer is {a + b}.",
+            "rejected": f"The answer is {a + b + 1}.",
+        }
+        for a, b in [(1, 2), (3, 4), (5, 1), (2, 2)]
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    graphdef, params, rest = init_params(TINY, 0)
+    trainer = DPOTrainer(nnx.merge(graphdef, params, rest), beta=0.1, learning_rate=1e-2)
+    batch = encode_pairs(ByteTokenizer(), read_preferences(str(path)), 48)
+    first = trainer.step(batch)
+    assert first["loss"] == pytest.approx(np.log(2), abs=1e-6)
+    assert first["reward_margin"] == 0.0
+    for _ in range(5):
+        last = trainer.step(batch)
+    assert last["loss"] < first["loss"] and last["reward_accuracy"] == 1.0
