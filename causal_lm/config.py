@@ -33,6 +33,7 @@ ROPE_KINDS = ("rope", "nope")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 DTYPES = ("float32", "bfloat16", "float16")
 OPTIMIZERS = ("adamw", "muon", "lion", "adafactor")
+TASKS = ("lm", "sft")  # train.task: what the loss trains on (causal_lm/train/post.py)
 OPT_STATE_DTYPES = ("auto", "float32", "bfloat16")
 
 
@@ -732,6 +733,10 @@ class TrainConfig:
     compute_dtype: str = "auto"  # "auto": bfloat16 on GPU/TPU, model.dtype on CPU; or a dtype overriding model.dtype
     peak_flops: float = 0.0  # per-device peak FLOP/s for MFU; 0 = known accelerator table, else a measured matmul
     progress: bool = True  # tqdm progress bar on an interactive terminal (log lines otherwise)
+    # ---- post-training (causal_lm/train/post.py, docs/post-training.md) ------------------------------------------
+    # "lm": next-token training on every token; "sft": chat conversations (JSONL `messages`, or the built-in
+    # "synthetic-chat" set), loss on the assistant's tokens only.
+    task: str = "lm"
     # ---- optimizer choice, auxiliary loss, profiling (causal_lm/train/state.py, step.py, profile.py) ----------
     optimizer: str = "adamw"  # "adamw" | "muon" (matrices; AdamW for the rest) | "lion" | "adafactor"
     muon_momentum: float = 0.95  # Muon's Nesterov momentum (its AdamW part uses beta1/beta2)
@@ -781,6 +786,7 @@ class TrainConfig:
             f"train.compute_dtype must be 'auto' or one of {DTYPES}, got {self.compute_dtype!r}",
         )
         _check(self.peak_flops >= 0, f"train.peak_flops must be >= 0, got {self.peak_flops}")
+        _check(self.task in TASKS, f"train.task must be one of {TASKS}, got {self.task!r}")
         _check(self.optimizer in OPTIMIZERS, f"train.optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         _check(0.0 <= self.muon_momentum < 1.0, f"train.muon_momentum must be in [0, 1), got {self.muon_momentum}")
         _check(self.z_loss >= 0, f"train.z_loss must be >= 0 (0 = off), got {self.z_loss}")

@@ -44,7 +44,7 @@ TIMEOUT_S = 300  # per command
 # (tests/test_docs_links.py checks it); a group's pages share one copy of the repository.
 GROUPS: dict[str, tuple[str, ...]] = {
     "test_readme": ("README.md", "docs/model.md", "docs/development.md", "docs/serving.md"),
-    "test_docs_training": ("docs/training.md",),
+    "test_docs_training": ("docs/training.md", "docs/post-training.md"),
     "test_docs_kv_cache": ("docs/kv-cache.md",),
     "test_docs_interop": ("docs/interop.md", "docs/reliability.md", "docs/scaling.md"),
     "test_docs_performance": ("docs/performance.md",),

@@ -679,4 +679,41 @@ MUTANTS = [
         tests=["tests/test_model.py::test_logits_at_projects_only_the_chosen_positions"],
         why="logits_at projects every position: the engine samples from the wrong one",
     ),
+    # ---- post-training (issue 32) ---------------------------------------------------------------------------------
+    dict(
+        name="sft-loss-mask-dropped",
+        file="causal_lm/data/pipeline.py",
+        old="w = w & mask[..., 1:]",
+        new="w = w & True",
+        tests=["tests/test_post_training.py::test_loss_ignores_non_assistant_targets"],
+        why="SFT trains on the user's tokens: the assistant mask never reaches the loss weights",
+    ),
+    dict(
+        name="sft-loss-mask-shifted",
+        file="causal_lm/data/pipeline.py",
+        old="w = w & mask[..., 1:]",
+        new="w = w & mask[..., :-1]",
+        tests=[
+            "tests/test_post_training.py::test_mask_covers_exactly_the_assistant_replies_and_their_end",
+            "tests/test_post_training.py::test_loss_ignores_non_assistant_targets",
+            "tests/test_post_training.py::test_sft_data_weights_only_assistant_tokens",
+        ],
+        why="the mask applied to inputs, not targets: a reply's first token is not trained, the header's last is",
+    ),
+    dict(
+        name="grpo-ratio-inverted",
+        file="causal_lm/train/grpo.py",
+        old="ratio = jnp.exp(new_logp - old_logp)",
+        new="ratio = jnp.exp(old_logp - new_logp)",
+        tests=["tests/test_post_training.py::test_grpo_loss_clips_the_ratio"],
+        why="the importance ratio is sampler over trainer: updates push the wrong way once the policy moves",
+    ),
+    dict(
+        name="sampler-logprob-ignores-the-filters",
+        file="causal_lm/decode/sampling.py",
+        old="filtered = jax.lax.cond(t > 0, lambda x: filtered_logits(x, t, k, p), lambda x: x, x)",
+        new="filtered = x",
+        tests=["tests/test_post_training.py::test_sampler_logprobs_equal_the_trainers[top_k]"],
+        why="sample_logprobs of the untruncated, untempered distribution: GRPO trains off-policy (TRL #4159)",
+    ),
 ]

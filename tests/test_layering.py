@@ -23,7 +23,7 @@ ALLOWED = {
     "decode": {"config", "model", "parallel"},
     "serve": {"config", "model", "decode", "parallel"},
     "interop": {"config", "model", "data"},
-    "train": {"config", "model", "data", "decode", "parallel", "interop"},
+    "train": {"config", "model", "data", "decode", "parallel", "interop", "serve"},  # GRPO samples via the engine
     "experiments": {"config", "model", "data", "decode", "parallel", "interop", "train", "serve"},
     "bench": {"config", "model", "data", "decode", "parallel", "interop", "train", "serve", "compile_cache"},
     "commands": {

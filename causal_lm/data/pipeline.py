@@ -5,7 +5,8 @@ A batch is a dict of numpy arrays, all [B, T]:
     tokens       int32    model inputs
     targets      int32    the next token of each input
     segment_ids  int32    documents packed into a row are numbered 1, 2, ...; 0 marks padding
-    weights      float32  1 where the target is a real next token of the same document, else 0
+    weights      float32  1 where the target is a real next token of the same document (and, with a loss mask,
+                          a token the task trains on: a chat's assistant tokens), else 0
 
 Packing: each document is encoded with EOS at its end, the documents are concatenated, and the stream is cut
 into rows of T+1 tokens with stride T (so every token is a target exactly once). Each row's segment ids restart
@@ -91,10 +92,12 @@ def _flat_ids(ds) -> tuple[np.ndarray, np.ndarray]:
 
 @dataclasses.dataclass
 class PackedRows:
-    """Rows of T+1 tokens and their per-row segment ids (0 = padding): both int32 [R, T+1]."""
+    """Rows of T+1 tokens and their per-row segment ids (0 = padding): both int32 [R, T+1]; `mask` [R, T+1] bool
+    (or None: every token) says which tokens are trained on as targets (SFT: the assistant's)."""
 
     tokens: np.ndarray
     segments: np.ndarray
+    mask: np.ndarray | None = None
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -105,11 +108,13 @@ class PackedRows:
 
     @property
     def num_target_tokens(self) -> int:
-        return int(_weights(self.segments).sum())
+        return int(_weights(self.segments, self.mask).sum())
 
 
-def pack(flat: np.ndarray, doc_lengths: np.ndarray, seq_len: int, pad_id: int) -> PackedRows:
-    """Cut the concatenated documents into rows of seq_len+1 tokens, stride seq_len (last row padded)."""
+def pack(flat: np.ndarray, doc_lengths: np.ndarray, seq_len: int, pad_id: int, mask=None) -> PackedRows:
+    """Cut the concatenated documents into rows of seq_len+1 tokens, stride seq_len (last row padded).
+
+    mask: [N] bool beside `flat` (None: all tokens): which tokens are loss targets; it travels with its tokens."""
     n = len(flat)
     doc = np.repeat(np.arange(len(doc_lengths), dtype=np.int64), doc_lengths)
     rows = max(1, -(-(n - 1) // seq_len))
@@ -120,20 +125,28 @@ def pack(flat: np.ndarray, doc_lengths: np.ndarray, seq_len: int, pad_id: int) -
     tokens, docs = flat[idx], doc[idx]
     first = np.where(docs[:, :1] >= 0, docs[:, :1], 0)
     segments = np.where(docs >= 0, docs - first + 1, 0).astype(np.int32)  # documents are consecutive: 1, 2, ...
-    return PackedRows(tokens.astype(np.int32), segments)
+    rows_mask = None
+    if mask is not None:
+        mask = np.concatenate([np.asarray(mask, bool), np.zeros(total - n, bool)])
+        rows_mask = mask[idx]
+    return PackedRows(tokens.astype(np.int32), segments, rows_mask)
 
 
-def _weights(segments: np.ndarray) -> np.ndarray:
-    return ((segments[..., 1:] == segments[..., :-1]) & (segments[..., :-1] != 0)).astype(np.float32)
+def _weights(segments: np.ndarray, mask: np.ndarray | None = None) -> np.ndarray:
+    w = (segments[..., 1:] == segments[..., :-1]) & (segments[..., :-1] != 0)
+    if mask is not None:  # the target (the next token) must be one the task trains on
+        w = w & mask[..., 1:]
+    return w.astype(np.float32)
 
 
-def rows_to_batch(tokens: np.ndarray, segments: np.ndarray) -> Batch:
-    """[B, T+1] rows -> a batch of inputs, next-token targets, segment ids and loss weights ([B, T] each)."""
+def rows_to_batch(tokens: np.ndarray, segments: np.ndarray, mask: np.ndarray | None = None) -> Batch:
+    """[B, T+1] rows -> a batch of inputs, next-token targets, segment ids and loss weights ([B, T] each).
+    mask [B, T+1] bool (None: all): a target outside it gets weight 0 (SFT's non-assistant tokens)."""
     return {
         "tokens": tokens[:, :-1],
         "targets": tokens[:, 1:],
         "segment_ids": segments[:, :-1],
-        "weights": _weights(segments),
+        "weights": _weights(segments, mask),
     }
 
 
@@ -146,11 +159,14 @@ def eval_batches(rows: PackedRows, batch_size: int, max_batches: int | None = No
         if max_batches is not None and len(out) >= max_batches:
             break
         t, s = rows.tokens[start : start + batch_size], rows.segments[start : start + batch_size]
+        m = None if rows.mask is None else rows.mask[start : start + batch_size]
         if len(t) < batch_size:
             pad = batch_size - len(t)
             t = np.concatenate([t, np.zeros((pad, t.shape[1]), np.int32)])
             s = np.concatenate([s, np.zeros((pad, s.shape[1]), np.int32)])
-        out.append(rows_to_batch(t, s))
+            if m is not None:
+                m = np.concatenate([m, np.zeros((pad, m.shape[1]), bool)])
+        out.append(rows_to_batch(t, s, m))
     return out
 
 
@@ -193,7 +209,8 @@ class TrainIterator:
         idx = np.concatenate(picked)
         if self.local_rows is not None:
             idx = idx[self.local_rows]
-        return rows_to_batch(self.rows.tokens[idx], self.rows.segments[idx])
+        mask = None if self.rows.mask is None else self.rows.mask[idx]
+        return rows_to_batch(self.rows.tokens[idx], self.rows.segments[idx], mask)
 
     def state(self) -> dict:
         return {"kind": "rows", "epoch": self.epoch, "index": self.index, "num_rows": len(self.rows)}

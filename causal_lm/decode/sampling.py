@@ -55,6 +55,27 @@ def probabilities(logits, temperature, top_k, top_p):
     return jax.lax.cond(temperature > 0, filtered, greedy, logits)
 
 
+def sampled_logprobs(logits, tokens, temperature, top_k, top_p):
+    """logits [..., V], tokens [...] -> float32 [...]: each token's log-probability under the distribution `sample`
+    draws from: log_softmax of `filtered_logits` (temperature-scaled, -inf outside top-k/top-p) when temperature > 0.
+    Greedy decoding (temperature 0) draws from no distribution; its entry is the model's own (log_softmax of the
+    float32 logits), the policy a greedy reply is scored under. The serving engine reports this as a token's
+    `sample_logprob` and a trainer recomputes it from its own logits with this same function (GRPO's ratio)."""
+    logits = logits.astype(jnp.float32)
+    shape = logits.shape[:-1]
+    temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), shape).reshape(-1)
+    top_k = jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), shape).reshape(-1)
+    top_p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), shape).reshape(-1)
+    flat = logits.reshape(-1, logits.shape[-1])
+
+    def one(x, t, k, p):
+        filtered = jax.lax.cond(t > 0, lambda x: filtered_logits(x, t, k, p), lambda x: x, x)
+        return jax.nn.log_softmax(filtered, axis=-1)
+
+    logp = jax.vmap(one)(flat, temperature, top_k, top_p).reshape(logits.shape)
+    return jnp.take_along_axis(logp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
 def sample(logits, key, temperature, top_k, top_p):
     """logits [B, V] float32 -> token ids [B] int32. temperature == 0 is greedy (argmax).
 
@@ -113,6 +134,11 @@ class SamplingParams:
             return sample(logits[None], key, temperature, top_k, top_p)[0]
 
         return jax.vmap(one)(logits, self.seed, index, self.temperature, self.top_k, self.top_p)
+
+    def logprob(self, logits, tokens):
+        """logits [B, V], tokens [B] -> [B] float32: each row's token under the distribution it was drawn from
+        (`sampled_logprobs` with the row's own settings)."""
+        return sampled_logprobs(logits, tokens, self.temperature, self.top_k, self.top_p)
 
     def stopped(self, tokens):
         """tokens [B] -> [B] bool: the token is one of its row's stop ids."""

@@ -72,13 +72,16 @@ class Event:
     logprob: float | None = None
     top_logprobs: tuple | None = None
     finish_reason: str | None = None  # "stop" (a stop id was emitted), "length" (max_tokens), "cancelled"
+    sample_logprob: float | None = None  # the token under the distribution it was drawn from (see RequestResult)
 
 
 @dataclasses.dataclass
 class RequestResult:
     """A request's output. logprobs[i] is the log-probability of tokens[i] under the model (log_softmax of its float32
     logits, before temperature, top-k and top-p); top_logprobs[i] its top alternatives when asked; prompt_logprobs
-    (when asked) one entry per prompt token, the first None (it has no context)."""
+    (when asked) one entry per prompt token, the first None (it has no context). sample_logprobs[i] is tokens[i]'s
+    log-probability under the distribution it was drawn from (temperature-scaled, truncated by top-k/top-p:
+    `causal_lm.decode.sampling.sampled_logprobs`; greedy: the model's own), what RL's importance ratio needs."""
 
     request_id: int
     prompt: list
@@ -87,6 +90,7 @@ class RequestResult:
     top_logprobs: list
     prompt_logprobs: list | None
     finish_reason: str | None  # None while running or waiting
+    sample_logprobs: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(eq=False)
@@ -106,6 +110,7 @@ class _Sequence:
     tokens: list  # prompt + generated
     generated: list = dataclasses.field(default_factory=list)
     token_logprobs: list = dataclasses.field(default_factory=list)
+    token_sample_logprobs: list = dataclasses.field(default_factory=list)
     top: list = dataclasses.field(default_factory=list)
     prompt_lp: list = dataclasses.field(default_factory=lambda: [None])
     pages: list = dataclasses.field(default_factory=list)  # the page table: page j holds positions j*ps ..
@@ -135,6 +140,7 @@ class StepBatch:
 class StepOutput:
     token: jax.Array  # [B] int32 sampled at each row's last fed token
     logprob: jax.Array  # [B] float32 its log-probability
+    sample_logprob: jax.Array  # [B] float32 its log-probability under the (filtered) distribution it was drawn from
     top_ids: jax.Array  # [B, k] int32, most likely first
     top_logprobs: jax.Array  # [B, k] float32
     target_logprobs: jax.Array  # [B, T] float32: log-probability of `targets` after each fed token
@@ -168,6 +174,7 @@ def _step_program(state, layers, pool: PagePool, batch: StepBatch, *, graphdef, 
     out = StepOutput(
         token=token,
         logprob=jnp.take_along_axis(logp, token[:, None], axis=1)[:, 0],
+        sample_logprob=batch.sampling.logprob(last_logits, token),
         top_ids=top_ids.astype(jnp.int32),
         top_logprobs=top_logprobs,
         target_logprobs=target_logprobs,
@@ -420,6 +427,7 @@ class Engine:
             top_logprobs=list(seq.top),
             prompt_logprobs=list(seq.prompt_lp) if seq.want_prompt_logprobs else None,
             finish_reason=seq.finish_reason,
+            sample_logprobs=list(seq.token_sample_logprobs),
         )
 
     def has_work(self) -> bool:
@@ -689,6 +697,7 @@ class Engine:
         seq.generated.append(token)
         seq.tokens.append(token)
         seq.token_logprobs.append(float(out.logprob[b]))
+        seq.token_sample_logprobs.append(float(out.sample_logprob[b]))
         top = None
         if seq.logprobs:
             k = seq.logprobs
@@ -701,4 +710,4 @@ class Engine:
             reason = "length"
         if reason is not None:
             self._finish(seq, reason)
-        return [Event(seq.rid, token, seq.token_logprobs[-1], top, reason)]
+        return [Event(seq.rid, token, seq.token_logprobs[-1], top, reason, seq.token_sample_logprobs[-1])]

@@ -39,7 +39,6 @@ import numpy as np
 
 from causal_lm import parallel
 from causal_lm.config import Config, ConfigError, config_to_dict
-from causal_lm.data.pipeline import build_data
 from causal_lm.data.tokenizer import tokenizer_from_dict
 from causal_lm.model import backends
 from causal_lm.notes import note
@@ -64,6 +63,7 @@ from causal_lm.train.hooks import (
 )
 from causal_lm.train.lock import WorkdirLock
 from causal_lm.train.metrics import MetricsWriter, peak_flops, train_flops_per_token
+from causal_lm.train.post import build_task_data
 from causal_lm.train.profile import PROFILE_DIR
 from causal_lm.train.state import (
     check_optimizer_resume,
@@ -252,7 +252,7 @@ def _locked(config: Config, workdir: str, callback, hooks: list[Hook]) -> dict:
         finally:
             reader.close()
     tokenizer = tokenizer_from_dict(meta["tokenizer"]) if meta else None
-    data = build_data(config, tokenizer)
+    data = build_task_data(config, tokenizer)
     requested_vocab = config.model.vocab_size
     config = resolve_config(config, data.tokenizer)
     notes = check_model_config(meta, config, candidates[0], workdir) if meta is not None else []

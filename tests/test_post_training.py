@@ -1,0 +1,285 @@
+"""Post-training (causal_lm/train/post.py, docs/post-training.md): chat SFT's assistant-only loss.
+
+The bug classes: a loss that trains on the user's tokens (the mask lost or shifted by one on its way from the
+rendered conversation to the targets), packed conversations that see each other.
+"""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from causal_lm.config import Config, ConfigError, DataConfig, ModelConfig, TrainConfig
+from causal_lm.data import ByteTokenizer, DataError
+from causal_lm.data.pipeline import pack, rows_to_batch
+from causal_lm.train.grpo import GRPOSettings, GRPOTrainer, group_advantages, grpo_loss, token_logprobs
+from causal_lm.train.post import build_sft_data, encode_conversation, synthetic_conversations
+from causal_lm.train.state import init_params
+from causal_lm.train.step import loss_and_grads
+
+TINY = ModelConfig(vocab_size=259, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=48, max_seq_len=128)
+CONV = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": "5."},
+    {"role": "user", "content": "And 4 - 1?"},
+    {"role": "assistant", "content": "3."},
+]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    graphdef, params, rest = init_params(TINY, 0)
+    return graphdef, params, rest
+
+
+# ---- SFT -----------------------------------------------------------------------------------------------------
+def test_mask_covers_exactly_the_assistant_replies_and_their_end():
+    tok = ByteTokenizer()
+    ids, mask = encode_conversation(tok, CONV)
+    assert len(ids) == len(mask)
+    trained = [i for i, m in zip(ids, mask, strict=True) if m]
+    assert trained == tok.encode("5.") + [tok.eos_id] + tok.encode("3.") + [tok.eos_id]
+    assert tok.decode([i for i, m in zip(ids, mask, strict=True) if not m]).startswith("System: Be brief.\nUser:")
+    batch, _ = _batch([CONV])  # packed: the weighted targets are exactly the replies and their ends
+    assert batch["targets"][batch["weights"] > 0].tolist() == trained
+
+
+def _batch(convs, seq_len=64):
+    tok = ByteTokenizer()
+    enc = [encode_conversation(tok, c) for c in convs]
+    flat = np.asarray([x for ids, _ in enc for x in ids], np.int32)
+    mask = np.asarray([x for _, m in enc for x in m], bool)
+    rows = pack(flat, np.asarray([len(ids) for ids, _ in enc]), seq_len, tok.pad_id, mask=mask)
+    return rows_to_batch(rows.tokens, rows.segments, rows.mask), rows
+
+
+@pytest.fixture(scope="module")
+def grads_of(tiny):
+    graphdef, params, rest = tiny
+    fn = jax.jit(lambda p, b: loss_and_grads(graphdef, p, rest, b)[:2])
+    return lambda batch: jax.device_get(fn(params, batch))
+
+
+def test_loss_ignores_non_assistant_targets(grads_of):
+    """Changing a user token's target leaves the loss and every gradient unchanged; an assistant token's changes
+    them."""
+    batch, _ = _batch([CONV])
+    w = batch["weights"][0]
+    user_pos = int(np.flatnonzero(w == 0)[3])  # a target inside the system/user text
+    asst_pos = int(np.flatnonzero(w == 1)[0])
+    loss0, g0 = grads_of(batch)
+
+    def changed(pos):
+        b = {k: v.copy() for k, v in batch.items()}
+        b["targets"][0, pos] = (b["targets"][0, pos] + 1) % 256
+        return grads_of(b)
+
+    loss1, g1 = changed(user_pos)
+    assert loss1 == loss0
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True))
+    loss2, g2 = changed(asst_pos)
+    assert loss2 != loss0
+    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g2), strict=True))
+
+
+def test_packing_keeps_conversations_apart(tiny):
+    """Two conversations packed in one row: separate segments, and the second one's logits equal its logits alone."""
+    graphdef, params, rest = tiny
+    other = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."}]
+    batch, rows = _batch([other, CONV], seq_len=96)
+    seg = batch["segment_ids"][0]
+    assert set(seg.tolist()) >= {1, 2}
+    start = int(np.argmax(seg == 2))
+    assert batch["weights"][0, start - 1] == 0  # the boundary is never a target
+    alone, _ = _batch([CONV], seq_len=96)
+    model = nnx.merge(graphdef, params, rest)
+    packed = model(jnp.asarray(batch["tokens"]), segment_ids=jnp.asarray(batch["segment_ids"]))[0]
+    single = model(jnp.asarray(alone["tokens"]), segment_ids=jnp.asarray(alone["segment_ids"]))[0]
+    n = int((seg == 2).sum())
+    np.testing.assert_allclose(packed[0, start : start + n], single[0, :n], atol=1e-5)
+    np.testing.assert_array_equal(batch["weights"][0, start : start + n - 1], alone["weights"][0, : n - 1])
+
+
+def _sft_config(**train):
+    return Config(
+        model=TINY,
+        data=DataConfig(corpus="synthetic-chat", max_documents=200),
+        train=TrainConfig(task="sft", batch_size=4, seq_len=64, **train),
+    )
+
+
+def test_sft_data_weights_only_assistant_tokens():
+    data = build_sft_data(_sft_config())
+    batch = next(data.train)
+    tok = data.tokenizer
+    trained = batch["targets"][batch["weights"] > 0]
+    untrained = batch["targets"][(batch["weights"] == 0) & (batch["segment_ids"] > 0)]
+    assert tok.decode(trained).count("The answer is") >= 1
+    assert "What is" not in tok.decode(trained) and "User:" not in tok.decode(trained)
+    assert "User:" in tok.decode(untrained)
+    assert data.info["val_tokens"] > 0 and data.val[0]["weights"].sum() > 0  # eval reports assistant-token loss
+
+
+def test_synthetic_set_is_fixed_by_its_seed():
+    assert synthetic_conversations(5, 1) == synthetic_conversations(5, 1) != synthetic_conversations(5, 2)
+
+
+def test_bad_sft_input_fails_before_compute(tmp_path):
+    with pytest.raises(ConfigError, match="train.task must be one of"):
+        TrainConfig(task="rlhf")
+    with pytest.raises(ConfigError, match="needs conversations"):
+        build_sft_data(dataclasses.replace(_sft_config(), data=DataConfig(corpus="builtin")))
+    bad = tmp_path / "c.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": []}\n')
+    with pytest.raises(DataError, match="c.jsonl:1: the conversation has no assistant message"):
+        build_sft_data(dataclasses.replace(_sft_config(), data=DataConfig(corpus=str(bad))))
+    bad.write_text('{"text": "hi"}\n')
+    with pytest.raises(DataError, match="c.jsonl:1: the record has no 'messages'"):
+        build_sft_data(dataclasses.replace(_sft_config(), data=DataConfig(corpus=str(bad))))
+
+
+# ---- logprob parity and GRPO ---------------------------------------------------------------------------------
+PARITY_ATOL = 1e-5  # float32 on CPU: measured max |engine - trainer| about 4e-6 (docs/post-training.md)
+SETTINGS = {
+    "greedy": dict(temperature=0.0),
+    "temperature": dict(temperature=0.7),
+    "top_k": dict(temperature=1.0, top_k=5),
+    "top_p": dict(temperature=1.0, top_p=0.6),
+}
+RL_MODEL = dataclasses.replace(TINY, init_std=0.5, max_seq_len=48)
+
+
+@pytest.fixture(scope="module")
+def rl_model():
+    graphdef, params, rest = init_params(RL_MODEL, 0)
+    return nnx.merge(graphdef, params, rest)
+
+
+@pytest.fixture(scope="module")
+def rollouts(rl_model):
+    from causal_lm.serve import Engine
+
+    engine = Engine(rl_model, max_seqs=8, page_size=8, num_pages=64, max_step_tokens=16)
+    prompt = ByteTokenizer().encode("User: What is 2 + 3?\nAssistant: ")
+    reqs = [dict(prompt_ids=prompt, max_tokens=10, seed=i, **kw) for i, kw in enumerate(SETTINGS.values())]
+    return dict(zip(SETTINGS, engine.run(reqs, progress=False), strict=True))
+
+
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_sampler_logprobs_equal_the_trainers(rl_model, rollouts, name):
+    """The engine's sample_logprobs (the distribution each token was drawn from) equal the trainer's recomputation
+    from one forward pass, with the same settings, for greedy, temperature, top-k and top-p."""
+    from causal_lm.train.grpo import rollout_batch
+
+    res, kw = rollouts[name], SETTINGS[name]
+    batch, _ = rollout_batch([[res]], [0.0], RL_MODEL.max_seq_len - 1)
+    new = np.asarray(
+        token_logprobs(
+            rl_model,
+            jnp.asarray(batch["tokens"]),
+            jnp.asarray(batch["targets"]),
+            jnp.asarray(batch["segment_ids"]),
+            kw.get("temperature", 1.0),
+            kw.get("top_k", 0),
+            kw.get("top_p", 1.0),
+        )
+    )[0]
+    on = batch["weights"][0] > 0
+    assert on.sum() == len(res.tokens)
+    np.testing.assert_allclose(new[on], res.sample_logprobs, atol=PARITY_ATOL, rtol=0)
+    if name == "greedy":  # greedy: the model's own distribution, what `logprobs` reports
+        np.testing.assert_allclose(res.sample_logprobs, res.logprobs, atol=1e-6, rtol=0)
+    if name in ("top_k", "top_p"):  # the truncated distribution is renormalized: every drawn token gains
+        assert all(s > lp for s, lp in zip(res.sample_logprobs, res.logprobs, strict=True))
+
+
+def test_group_advantages_are_normalized_per_group():
+    r = np.array([[1.0, 0.0, 0.0, 1.0], [5.0, 5.0, 5.0, 5.0], [0.0, 3.0, 6.0, 9.0]])
+    a = group_advantages(r)
+    np.testing.assert_allclose(a.mean(axis=1), 0.0, atol=1e-6)
+    np.testing.assert_allclose(a[0], [1, -1, -1, 1], atol=1e-5)
+    np.testing.assert_array_equal(a[1], 0.0)  # a group that agrees teaches nothing
+    np.testing.assert_allclose(a[2].std(), 1.0, atol=1e-5)
+
+
+def test_grpo_loss_clips_the_ratio():
+    """A hand computation: ratio 1.5, eps 0.2: advantage +1 gains only up to 1.2, advantage -1 pays the full 1.5."""
+    new = jnp.log(jnp.array([[1.5, 1.0]]))
+    old = jnp.zeros((1, 2))
+    w = jnp.array([[1.0, 0.0]])
+    loss_pos, stats = grpo_loss(new, old, jnp.array([1.0]), w, 0.2)
+    loss_neg, _ = grpo_loss(new, old, jnp.array([-1.0]), w, 0.2)
+    np.testing.assert_allclose([loss_pos, loss_neg], [-1.2, 1.5], rtol=1e-6)
+    np.testing.assert_allclose(stats["ratio_max"], 1.5, rtol=1e-6)
+    assert float(stats["ratio_max_dev"]) == pytest.approx(0.5)
+
+
+def ascii_share(completion: str, answer) -> float:
+    """A toy reward a random byte model can climb: the share of ASCII characters in its reply (about half at the
+    start: bytes >= 128 decode to U+FFFD)."""
+    return sum(c.isascii() for c in completion) / max(len(completion), 1)
+
+
+@pytest.mark.slow
+def test_grpo_first_ratio_is_one_and_a_short_run_raises_the_reward(rl_model):
+    trainer = GRPOTrainer(
+        rl_model,
+        ByteTokenizer(),
+        GRPOSettings(
+            group_size=8,
+            prompts_per_step=2,
+            max_new_tokens=8,
+            learning_rate=3e-2,
+            reward="test_post_training:ascii_share",
+            kl_coef=0.01,
+        ),
+    )
+    records = [trainer.step() for _ in range(8)]
+    first = records[0]
+    assert first["ratio_max_dev"] <= 2 * PARITY_ATOL  # on-policy: the ratio is 1 up to the parity bound
+    assert first["kl"] == 0.0  # the reference is the starting weights
+    start = np.mean([r["reward_mean"] for r in records[:2]])
+    end = np.mean([r["reward_mean"] for r in records[-2:]])
+    assert end > start + 0.1, (start, end)
+
+
+# ---- DPO -----------------------------------------------------------------------------------------------------
+def test_dpo_loss_equals_a_hand_computation():
+    from causal_lm.train.dpo import dpo_loss
+
+    pc, pr, rc, rr = (jnp.array(x) for x in ([-3.0, -5.0], [-4.0, -2.0], [-3.5, -4.0], [-3.0, -3.0]))
+    loss, stats = dpo_loss(pc, pr, rc, rr, beta=0.5)
+    m = 0.5 * ((np.array([-3.0, -5.0]) - [-3.5, -4.0]) - (np.array([-4.0, -2.0]) - [-3.0, -3.0]))  # [0.75, 0.0]
+    want = np.mean(np.log1p(np.exp(-m)))
+    np.testing.assert_allclose(loss, want, rtol=1e-6)
+    np.testing.assert_allclose(stats["reward_margin"], m.mean(), rtol=1e-6)
+    assert float(stats["reward_accuracy"]) == 0.5
+
+
+def test_dpo_at_the_reference_is_ln2_then_learns_the_preference(tmp_path):
+    from causal_lm.train.dpo import DPOTrainer, encode_pairs, read_preferences
+
+    path = tmp_path / "prefs.jsonl"
+    recs = [
+        {
+            "prompt": f"What is {a} + {b}?",
+            "chosen": f"The answer is {a + b}.",
+            "rejected": f"The answer is {a + b + 1}.",
+        }
+        for a, b in [(1, 2), (3, 4), (5, 1), (2, 2)]
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    graphdef, params, rest = init_params(TINY, 0)
+    trainer = DPOTrainer(nnx.merge(graphdef, params, rest), beta=0.1, learning_rate=1e-2)
+    batch = encode_pairs(ByteTokenizer(), read_preferences(str(path)), 48)
+    first = trainer.step(batch)
+    assert first["loss"] == pytest.approx(np.log(2), abs=1e-6)
+    assert first["reward_margin"] == 0.0
+    for _ in range(5):
+        last = trainer.step(batch)
+    assert last["loss"] < first["loss"] and last["reward_accuracy"] == 1.0
