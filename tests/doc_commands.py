@@ -20,17 +20,26 @@ a new block is tested the day it appears:
 A command that already ran earlier in its group (the same text) is skipped as a duplicate. Commands whose effect
 only a shell session keeps (`source .venv/bin/activate`) run too: each test gets a fresh shell with `.venv/bin`
 first on PATH, which is what that line sets up.
+
+A plain `causal-lm ARGS` command (no shell syntax: no pipe, redirection, `&`, `;`, variable, glob or environment
+prefix) and every Python snippet run in one long-lived process per group (tests/doc_runner.py: the real entry point
+`causal_lm.cli.main`, or `exec` in a fresh `__main__` namespace, in the group's copy, output captured at the file
+descriptors), so a group imports JAX once and traces each program once; everything else runs in `bash`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 import re
+import select
+import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -223,7 +232,77 @@ def _copy_repo(tmp_path_factory, name: str) -> tuple[str, dict]:
     return dest, env
 
 
-def _run(item: Item, cwd: str, env: dict) -> subprocess.CompletedProcess:
+SHELL_SYNTAX = set("|&;<>()$`*?[]{}~\\")
+
+
+def cli_argv(code: str) -> list[str] | None:
+    """The arguments of a plain `causal-lm ARGS` command (a trailing comment allowed), or None when the line needs a
+    shell (see the module docstring)."""
+    try:
+        lexer = shlex.shlex(code, posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True
+        words = list(lexer)
+    except ValueError:
+        return None
+    if not words or words[0] != "causal-lm" or "\n" in code.strip():
+        return None
+    if any(set(w) & SHELL_SYNTAX for w in words) or any(c in code.split("#")[0] for c in "$`"):
+        return None
+    return words[1:]
+
+
+class Runner:
+    """A group's tests/doc_runner.py process: `run(request)` -> CompletedProcess (restarted if it died)."""
+
+    def __init__(self, cwd: str, env: dict):
+        self.cwd, self.env, self.proc = cwd, env, None
+
+    def _start(self) -> None:
+        read, write = os.pipe()
+        self.log = tempfile.TemporaryFile(mode="w+b")
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "tests", "doc_runner.py"), str(write)],
+            cwd=self.cwd,
+            env=self.env,
+            stdin=subprocess.PIPE,
+            stdout=self.log,
+            stderr=self.log,
+            pass_fds=(write,),
+            text=True,
+        )
+        os.close(write)
+        self.answers = os.fdopen(read, "r")
+
+    def run(self, request: dict, argv_shown: list) -> subprocess.CompletedProcess:
+        if self.proc is None or self.proc.poll() is not None:
+            self._start()
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        ready, _, _ = select.select([self.answers], [], [], TIMEOUT_S)
+        line = self.answers.readline() if ready else ""
+        if not line:  # timed out or died: report what the process printed outside any command, start anew
+            self.close()
+            self.log.seek(0)
+            died = self.log.read().decode("utf-8", "replace")[-3000:]
+            return subprocess.CompletedProcess(argv_shown, -9, "", f"doc_runner gave no answer:\n{died}")
+        answer = json.loads(line)
+        return subprocess.CompletedProcess(argv_shown, answer["status"], answer["stdout"], answer["stderr"])
+
+    def close(self) -> None:
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait()
+            self.answers.close()
+            self.proc = None
+
+
+def _run(item: Item, cwd: str, env: dict, runner: Runner | None = None) -> subprocess.CompletedProcess:
+    argv = cli_argv(item.code) if item.lang == "bash" else None
+    if runner is not None and item.lang == "python":
+        return runner.run({"kind": "python", "code": item.code, "cwd": cwd}, ["python", "-c", item.code])
+    if runner is not None and argv is not None:
+        return runner.run({"kind": "cli", "argv": argv, "cwd": cwd}, ["causal-lm", *argv])
     if item.lang == "python":
         argv = [sys.executable, "-c", item.code]
     else:
@@ -231,7 +310,7 @@ def _run(item: Item, cwd: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
-def check(item: Item, repo: tuple[str, dict]) -> None:
+def check(item: Item, repo: tuple) -> None:
     """Run one command or snippet in the group's copy and check its exit status (and that it printed no traceback
     when it is shown working)."""
     if item.skip:
@@ -239,8 +318,8 @@ def check(item: Item, repo: tuple[str, dict]) -> None:
     missing = [m for m in item.needs if importlib.util.find_spec(m) is None]
     if missing:
         pytest.skip(f"needs {', '.join(missing)} (the interop extra)")
-    cwd, env = repo
-    proc = _run(item, cwd, env)
+    cwd, env, *runner = repo
+    proc = _run(item, cwd, env, runner[0] if runner else None)
     assert proc.returncode == item.status, (
         f"{item.page} line {item.line} failed (exit {proc.returncode}):\n{item.code}\n--- stdout ---\n"
         f"{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-3000:]}"
@@ -255,7 +334,10 @@ def command_tests(group: str):
 
     @pytest.fixture(scope="module", name="repo_copy")
     def repo_copy(tmp_path_factory):
-        return _copy_repo(tmp_path_factory, group)
+        cwd, env = _copy_repo(tmp_path_factory, group)
+        runner = Runner(cwd, env)
+        yield cwd, env, runner
+        runner.close()
 
     @pytest.mark.slow
     @pytest.mark.parametrize("item", items, ids=[it.id for it in items])

@@ -252,7 +252,7 @@ MUTANTS = [
         new="a = jnp.sum(ok.astype(jnp.int32), axis=1)",
         tests=[
             "tests/test_speculative.py::test_rows_accept_different_counts",
-            "tests/test_speculative.py::test_greedy_speculation_equals_plain_decoding_over_the_grid[gqa-rope_full]",
+            "tests/test_speculative.py::test_greedy_speculation_equals_plain_decoding_over_the_grid[gqa-rope_full-gate-random]",
         ],
         why="speculation counts every agreeing draft, not the leading run",
     ),

@@ -2,8 +2,8 @@
 (sampling).
 
 The greedy property is the strong one: whatever the draft proposes, the output equals plain cached decoding token
-for token, because every emitted token is the target's own argmax. It is checked over the attention-variant grid
-(the draft kind rotates across the grid so each variant runs once: the target itself, a different random model,
+for token, because every emitted token is the target's own argmax. It is checked over a covering array of the
+attention-variant grid (every pair of factors, the draft kind rotating: the target itself, a different random model,
 prompt lookup), and with every draft kind on ring-buffer, MLA and quantized caches.
 """
 
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_cache import PROMPTS
-from variants import VARIANT_IDS, VARIANTS, tiny_config, tiny_mla_config, tiny_model
+from variants import HEADS, POSITIONS, tiny_config, tiny_mla_config, tiny_model, variant_id
 
 from causal_lm import GenerateError, build_model, generate
 from causal_lm.config import ModelConfig
@@ -53,9 +53,23 @@ def _assert_same_as_plain(model, kind, prompts=PROMPTS, new=NEW, k=K, **kw):
     return plain, spec
 
 
-@pytest.mark.parametrize("i", range(len(VARIANTS)), ids=VARIANT_IDS)
-def test_greedy_speculation_equals_plain_decoding_over_the_grid(i):
-    _assert_same_as_plain(tiny_model(tiny_config(*VARIANTS[i])), DRAFTS[i % 3])
+def _covering_grid() -> list:
+    """(variant, draft kind) pairs covering every pair of factors of the attention-variant grid: each KV layout
+    with each position scheme (12 cases), the four gate/sink settings rotating so that each KV layout meets all
+    four and each position scheme three, and the draft kind rotating so that each KV layout meets all three.
+    Speculation reads and rolls back the cache (its layout and positions); the gate and the sink live inside
+    attention, where test_cache's every-variant check (cache == recompute, all 48) is the referee."""
+    cases = []
+    for i, kv in enumerate(HEADS):
+        for j, pos in enumerate(POSITIONS):
+            gate, sink = [(False, False), (True, False), (False, True), (True, True)][(i + j) % 4]
+            cases.append(((kv, pos, gate, sink), DRAFTS[(i + j) % 3]))
+    return cases
+
+
+@pytest.mark.parametrize("variant, kind", _covering_grid(), ids=[f"{variant_id(v)}-{k}" for v, k in _covering_grid()])
+def test_greedy_speculation_equals_plain_decoding_over_the_grid(variant, kind):
+    _assert_same_as_plain(tiny_model(tiny_config(*variant)), kind)
 
 
 MLA = tiny_mla_config(attn_sink=True)
