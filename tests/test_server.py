@@ -94,7 +94,7 @@ def setup(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cli_text(setup, tmp_path_factory):
-    """`causal-lm generate`'s greedy text for the prompt "Paris is", started before the server (they overlap)."""
+    """`causal-lm generate` of the prompt "Paris is" (greedy), running (a child) while the server starts."""
     _, _, workdir = setup
     proc = subprocess.Popen(
         [sys.executable, "-m", "causal_lm.cli", "generate", "--workdir", workdir, "--prompt", "Paris is",
@@ -105,7 +105,7 @@ def cli_text(setup, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(setup, cli_text, tmp_path_factory):
+def server(setup, tmp_path_factory):
     _, _, workdir = setup
     log = str(tmp_path_factory.mktemp("log") / "server.err")
     args = ["--workdir", workdir, "--model-name", NAME, "--max-seqs", "8", "--kv-memory", "2MiB"]
