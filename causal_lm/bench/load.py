@@ -212,6 +212,8 @@ def bench_server(
         "pages_total": int(after.get("causal_lm_pages_total", 0)),
         "pages_used_before": int(before.get("causal_lm_pages_used", 0)),
         "pages_used_after": int(after.get("causal_lm_pages_used", 0)),
+        "programs_compiled": int(after.get("causal_lm_programs_compiled_total", 0))
+        - int(before.get("causal_lm_programs_compiled_total", 0)),
         "prefix_hit_pages": int(after.get("causal_lm_prefix_cache_hit_pages_total", 0))
         - int(before.get("causal_lm_prefix_cache_hit_pages_total", 0)),
     }
@@ -230,6 +232,7 @@ def format_server(r: dict) -> str:
             f"TTFT p50 {f(r['ttft_p50_s'])}s p99 {f(r['ttft_p99_s'])}s; inter-token p50 {f(r['itl_p50_s'], '.4f')}s "
             f"p99 {f(r['itl_p99_s'], '.4f')}s; latency p50 {f(r['latency_p50_s'])}s p99 {f(r['latency_p99_s'])}s",
             f"pages in use after: {r['pages_used_after']} of {r['pages_total']} "
-            f"({'all back' if r['pages_used_after'] == 0 else 'NOT all back'})",
+            f"({'all back' if r['pages_used_after'] == 0 else 'NOT all back'}); programs compiled during the run: "
+            f"{r['programs_compiled']} (each stalls the server once: run the load test again for warm figures)",
         ]
     )

@@ -810,6 +810,8 @@ def metrics_text(runner: EngineRunner) -> str:
     metric("causal_lm_requests_finished_total", "counter", "Requests finished, by reason.",
            [(f'{{reason="{r}"}}', finished.get(r, 0)) for r in ("stop", "length", "cancelled")])  # fmt: skip
     metric("causal_lm_engine_steps_total", "counter", "Engine steps run.", [("", s["steps"])])
+    metric("causal_lm_programs_compiled_total", "counter", "Engine step programs compiled (one per new shape).",
+           [("", s["programs_compiled"])])  # fmt: skip
     for name, help_text, buckets, total, count in hists:
         lines.append(f"# HELP {name} {help_text}")
         lines.append(f"# TYPE {name} histogram")
