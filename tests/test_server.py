@@ -9,6 +9,7 @@ workdir); the SIGTERM test stops it, so it runs last.
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -52,8 +53,8 @@ class Server:
             return f.read()[-3000:]
 
 
-def start_server(args, log, *, env=None) -> Server:
-    """`causal-lm serve ARGS --port 0` as a child; returns once it prints where it listens."""
+def spawn(args, log) -> tuple:
+    """`causal-lm serve ARGS --port 0` as a child (not waited for)."""
     err = open(log, "w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "causal_lm.cli", "serve", "--port", "0", *args],
@@ -61,14 +62,23 @@ def start_server(args, log, *, env=None) -> Server:
         stderr=err,
         text=True,
         cwd=ROOT,
-        env=env,
     )
+    return proc, log
+
+
+def ready(spawned) -> Server:
+    """The spawned server, once it prints where it listens."""
+    proc, log = spawned
     watchdog = threading.Timer(300, proc.kill)  # a server that never starts fails the test instead of hanging it
     watchdog.start()
     line = proc.stdout.readline()
     watchdog.cancel()
     assert " on http://" in line, (line, open(log).read()[-3000:])
     return Server(proc, line.rsplit(" on ", 1)[1].strip(), log)
+
+
+def start_server(args, log) -> Server:
+    return ready(spawn(args, log))
 
 
 def stop(server: Server) -> None:
@@ -352,22 +362,105 @@ def test_load_test_against_the_server(server):
     assert r["output_tokens"] >= 12 * 4 and r["ttft_p50_s"] is not None
 
 
-def test_serves_a_hugging_face_folder(setup, client, tmp_path):
-    """--hf: the same weights as a Hugging Face folder give the same greedy text."""
+GGUF_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def write_gguf(path, model, bpe) -> str:
+    """The model as a float32 llama GGUF file, the way llama.cpp's converter lays it out (q/k rows permuted), with
+    the tokenizer's vocabulary, merges and chat template (tests/test_gguf.py checks such files against
+    transformers)."""
+    import gguf
+    from chat_tokenizers import bpe_vocab_and_merges
+
+    from causal_lm.interop.gguf import permute_qk
+    from causal_lm.interop.hf_checkpoint import hf_tensors_from_model
+
+    c = model.config
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("tiny")
+    w.add_block_count(c.num_layers)
+    w.add_context_length(c.max_seq_len)
+    w.add_embedding_length(c.d_model)
+    w.add_feed_forward_length(c.mlp_dim)
+    w.add_head_count(c.num_heads)
+    w.add_head_count_kv(c.num_kv_heads)
+    w.add_rope_freq_base(c.rope_theta)
+    w.add_layer_norm_rms_eps(c.norm_eps)
+    w.add_rope_dimension_count(c.head_dim)
+    w.add_vocab_size(c.vocab_size)
+    tokens, merges = bpe_vocab_and_merges(bpe)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in CHATML_SPECIALS else 1 for t in tokens])
+    w.add_token_merges(merges)
+    w.add_eos_token_id(tokens.index("<|endoftext|>"))
+    w.add_chat_template(CHATML)
+    for name, a in hf_tensors_from_model(model).items():
+        a = np.asarray(a, np.float32)
+        if name == "model.embed_tokens.weight":
+            name = "token_embd.weight"
+        elif name == "model.norm.weight":
+            name = "output_norm.weight"
+        elif name == "lm_head.weight":
+            name = "output.weight"
+        else:
+            i, rest = name.removeprefix("model.layers.").split(".", 1)
+            hf = next(h for h in GGUF_NAMES if rest.startswith(h))
+            rest = GGUF_NAMES[hf] + rest[len(hf) :]
+            if rest.startswith(("attn_q.", "attn_k.")):
+                a = permute_qk(a, c.num_heads if rest.startswith("attn_q") else c.num_kv_heads)
+            name = f"blk.{i}.{rest}"
+        w.add_tensor(name, a)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+def test_serves_a_hugging_face_folder_and_a_gguf_file(setup, client, tmp_path):
+    """--hf and --gguf: the same weights as a Hugging Face folder and as a GGUF file give the same greedy text
+    (completion and chat) as the workdir."""
     pytest.importorskip("safetensors", reason="the interop extra is not installed")
+    pytest.importorskip("gguf", reason="the interop extra is not installed")
     from causal_lm import save_hf
 
     model, tok, _ = setup
-    folder = save_hf(model, tok, str(tmp_path / "hf"))
-    hf = start_server(["--hf", folder, "--max-seqs", "2", "--kv-memory", "1MiB"], str(tmp_path / "hf.err"))
+    hf_dir = save_hf(model, tok, str(tmp_path / "hf"))
+    gguf_file = write_gguf(tmp_path / "tiny.gguf", model, train_bpe(CHATML_SPECIALS, 300))
+    engine = ["--max-seqs", "2", "--kv-memory", "1MiB"]
+    spawned = [spawn([flag, path, *engine], str(tmp_path / f"{flag[2:]}.err"))
+               for flag, path in (("--hf", hf_dir), ("--gguf", gguf_file))]  # fmt: skip
+    servers = []
     try:
-        hf_client = openai.OpenAI(base_url=hf.url + "/v1", api_key="none", max_retries=0, timeout=120)
-        assert hf_client.models.list().data[0].id == "hf"
-        got = hf_client.completions.create(model="hf", prompt="Paris is", max_tokens=8, temperature=0)
-        assert got.choices[0].text == complete(client, "Paris is", max_tokens=8).choices[0].text
+        servers = [ready(s) for s in spawned]
+        messages = [{"role": "user", "content": "What is the capital of France?"}]
+        want = complete(client, "Paris is", max_tokens=8).choices[0].text
+        want_chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0)
+        for server, name in zip(servers, ("hf", "tiny.gguf"), strict=True):
+            other = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+            assert other.models.list().data[0].id == name
+            got = other.completions.create(model=name, prompt="Paris is", max_tokens=8, temperature=0)
+            assert got.choices[0].text == want
+            chat = other.chat.completions.create(model=name, messages=messages, max_tokens=6, temperature=0)
+            assert chat.choices[0].message.content == want_chat.choices[0].message.content
     finally:
-        stop(hf)
-    assert hf.proc.returncode == 0, hf.stderr()
+        for proc, _ in spawned:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        codes = [proc.wait(timeout=60) for proc, _ in spawned]
+    assert codes == [0, 0], [open(log).read()[-2000:] for _, log in spawned]
 
 
 def test_sigterm_during_a_stream_exits_0(server):
@@ -391,3 +484,25 @@ def test_sigterm_during_a_stream_exits_0(server):
     events = [g[6:] for g in got if g.startswith("data: ")]
     assert events[-1] == "[DONE]"
     assert "shutting down" in json.loads(events[-2])["error"]["message"]
+
+
+def test_command_line_errors_are_one_line(setup, tmp_path, capsys):
+    """A missing workdir, a taken port (found before the model loads) and a bad engine setting: one error line
+    each, exit status 2, no server started."""
+    from causal_lm.cli import main
+
+    _, _, workdir = setup
+    assert main(["serve", "--workdir", str(tmp_path / "nothing")]) == 2
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        assert main(["serve", "--workdir", workdir, "--port", str(taken.getsockname()[1])]) == 2
+    finally:
+        taken.close()
+    assert main(["serve", "--workdir", workdir, "--port", "0", "--kv-memory", "lots"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(lines) == 3, err
+    assert "cannot listen on 127.0.0.1" in lines[1] and "kv_memory must be a size" in lines[2], err

@@ -67,7 +67,12 @@ def run(args) -> int:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
-    model, tok, name = load_served(args)
+    sock = bind(args.host, args.port)  # a taken port fails now, before the model is loaded
+    try:
+        model, tok, name = load_served(args)
+    except BaseException:
+        sock.close()
+        raise
     engine = Engine(
         model,
         max_seqs=args.max_seqs,
@@ -79,7 +84,6 @@ def run(args) -> int:
     chat = None
     if getattr(tok, "chat_template", None):
         chat = lambda messages: apply_chat_template(tok, messages, add_generation_prompt=True)
-    sock = bind(args.host, args.port)  # a taken port fails here, before the engine thread starts
     runner = EngineRunner(engine).start()
     app = create_app(runner, tok, model_name=name, chat=chat, max_body_bytes=args.max_body_bytes)
     host, port = sock.getsockname()[:2]
