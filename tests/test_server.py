@@ -446,13 +446,16 @@ def test_serves_a_hugging_face_folder_and_a_gguf_file(setup, client, tmp_path):
     try:
         servers = [ready(s) for s in spawned]
         messages = [{"role": "user", "content": "What is the capital of France?"}]
-        want = complete(client, "Paris is", max_tokens=8).choices[0].text
+        want = complete(client, "Paris is", max_tokens=8, logprobs=2).choices[0]
         want_chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0)
         for server, name in zip(servers, ("hf", "tiny.gguf"), strict=True):
             other = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
             assert other.models.list().data[0].id == name
-            got = other.completions.create(model=name, prompt="Paris is", max_tokens=8, temperature=0)
-            assert got.choices[0].text == want
+            got = other.completions.create(model=name, prompt="Paris is", max_tokens=8, temperature=0, logprobs=2)
+            assert got.choices[0].text == want.text
+            # the same tokens, prompt and weights: the log-probabilities too (the text alone would not show a
+            # prompt encoded differently, for this random model mostly repeats the last token)
+            np.testing.assert_allclose(got.choices[0].logprobs.token_logprobs, want.logprobs.token_logprobs, atol=1e-5)
             chat = other.chat.completions.create(model=name, messages=messages, max_tokens=6, temperature=0)
             assert chat.choices[0].message.content == want_chat.choices[0].message.content
     finally:
