@@ -43,6 +43,7 @@ try:
     import uvicorn
     from starlette.applications import Starlette
     from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect
     from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
     from starlette.routing import Route
 
@@ -835,6 +836,8 @@ def _guard(endpoint):
             return await endpoint(request)
         except APIError as e:
             return _error_response(e)
+        except ClientDisconnect:  # gone before its body was read: nothing was queued
+            return Response(status_code=499)
         except Exception as e:  # a bug: the server keeps serving everyone else
             traceback.print_exc()
             return _error_response(APIError(500, f"internal error: {type(e).__name__}: {e}"))
