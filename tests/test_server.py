@@ -516,3 +516,18 @@ def test_command_line_errors_are_one_line(setup, tmp_path, capsys):
     lines = [line for line in err.splitlines() if "error:" in line]
     assert len(lines) == 3, err
     assert "cannot listen on 127.0.0.1" in lines[1] and "kv_memory must be a size" in lines[2], err
+
+
+def test_engine_forgets_only_finished_requests(setup):
+    """Engine.forget (what keeps a long-running server's memory bounded) refuses a request still queued."""
+    from causal_lm.serve import Engine, EngineError
+
+    model, _, _ = setup
+    engine = Engine(model, max_seqs=2, num_pages=8, max_step_tokens=8)
+    rid = engine.submit([1, 2, 3], max_tokens=2)
+    with pytest.raises(EngineError, match="has not finished"):
+        engine.forget(rid)
+    engine.cancel(rid)
+    engine.forget(rid)
+    with pytest.raises(EngineError, match="no request"):
+        engine.result(rid)
