@@ -36,6 +36,7 @@ COMMANDS = {
     "kv-bytes": ("causal_lm.commands.kv_bytes", "KV-cache bytes per token and at a context length"),
     "experiment": ("causal_lm.commands.experiment", "run a seed experiment: report.md, a PNG figure and results.json"),
     "convert": ("causal_lm.commands.convert", "Hugging Face folders and GGUF files to a workdir, and back"),
+    "serve": ("causal_lm.commands.serve", "an OpenAI-compatible HTTP server (completions, chat, streaming)"),
     "bench": ("causal_lm.commands.bench", "training / decoding throughput vs transformers (PyTorch) and the machine"),
 }
 

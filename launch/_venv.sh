@@ -12,8 +12,8 @@ EXTRAS="${1:?usage: source launch/_venv.sh base|EXTRA[,EXTRA...]}"
 [ "$EXTRAS" = "base" ] && EXTRAS=""
 for extra in ${EXTRAS//,/ }; do
   case "$extra" in
-    test|interop|gpu|tpu) ;;
-    *) echo "[setup] unknown extra '$extra' (known: test, interop, gpu, tpu)" >&2; exit 2 ;;
+    test|interop|serve|gpu|tpu) ;;
+    *) echo "[setup] unknown extra '$extra' (known: test, interop, serve, gpu, tpu)" >&2; exit 2 ;;
   esac
 done
 if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then

@@ -8,5 +8,5 @@ if [ -n "${MUTATION_PYTHON:-}" ]; then
   cd "$(dirname "$0")/.."
   exec "$MUTATION_PYTHON" launch/mutation.py "$@"
 fi
-source "$(dirname "$0")/_venv.sh" test,interop  # interop: safetensors, for the Hugging Face mutants
+source "$(dirname "$0")/_venv.sh" test,interop,serve  # interop: safetensors (Hugging Face mutants); serve: the server
 exec .venv/bin/python launch/mutation.py "$@"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 from causal_lm.bench import bench_decode, bench_serve, bench_train, format_decode, format_serve, format_train
+from causal_lm.bench.load import bench_server, format_server
 from causal_lm.commands.common import add_config_args, config_from_args
 from causal_lm.config import REMATS
 
@@ -70,9 +71,20 @@ def register(sub):
     s.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     s.add_argument("--no-peer", action="store_true", help="skip transformers' continuous batching")
     s.add_argument("--no-baselines", action="store_true", help="skip our generate one at a time and in batches of 8")
-    s.add_argument("--requests", type=int, default=64, help="requests in the workload (default 64)")
-    s.add_argument("--prompt-range", default="32,512", help="prompt lengths, min,max (default 32,512)")
-    s.add_argument("--new-range", default="32,256", help="new tokens per request, min,max (default 32,256)")
+    s.add_argument("--requests", type=int, default=None, help="requests in the workload (default 64)")
+    s.add_argument("--prompt-range", default=None, help="prompt lengths, min,max (default 32,512; 16,64 with --server)")
+    s.add_argument(
+        "--new-range", default=None, help="new tokens per request, min,max (default 32,256; 16,64 with --server)"
+    )
+    s.add_argument(
+        "--server",
+        metavar="URL",
+        default=None,
+        help="load-test a running `causal-lm serve` at URL instead (--clients, --requests and/or --duration)",
+    )
+    s.add_argument("--clients", type=int, default=8, help="--server: concurrent clients (default 8)")
+    s.add_argument("--duration", type=float, default=None, help="--server: stop sending after T seconds")
+    s.add_argument("--stream", default="both", help="--server: streaming requests: both (every other one), yes or no")
     s.add_argument("--arrivals", default="all,poisson", help="all and/or poisson, comma-separated")
     s.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second (default: the engine's)")
     s.add_argument("--max-seqs", type=int, default=16, help="engine rows (default 16)")
@@ -151,14 +163,16 @@ def run_decode(args) -> int:
 
 
 def run_serve(args) -> int:
+    if args.server:
+        return run_load(args)
     arrivals = tuple(x.strip() for x in args.arrivals.split(",") if x.strip())
     if not arrivals or any(a not in ("all", "poisson") for a in arrivals):
         raise ValueError(f"--arrivals takes all and/or poisson, got {args.arrivals!r}")
     r = bench_serve(
         config_from_args(args),
-        requests=args.requests,
-        prompt_range=_range(args.prompt_range, "--prompt-range"),
-        new_range=_range(args.new_range, "--new-range"),
+        requests=args.requests or 64,
+        prompt_range=_range(args.prompt_range or "32,512", "--prompt-range"),
+        new_range=_range(args.new_range or "32,256", "--new-range"),
         arrivals=arrivals,
         rate=args.rate,
         max_seqs=args.max_seqs,
@@ -169,3 +183,18 @@ def run_serve(args) -> int:
     )
     print(json.dumps(r) if args.json else format_serve(r))
     return 0
+
+
+def run_load(args) -> int:
+    """`bench serve --server URL`: the load test; exit 1 when a request failed or the server kept pages."""
+    r = bench_server(
+        args.server,
+        clients=args.clients,
+        requests=args.requests if args.requests is not None or args.duration is not None else 64,
+        duration=args.duration,
+        prompt_range=_range(args.prompt_range or "16,64", "--prompt-range"),
+        new_range=_range(args.new_range or "16,64", "--new-range"),
+        stream=args.stream,
+    )
+    print(json.dumps(r) if args.json else format_server(r))
+    return 1 if r["errors"] or r["pages_used_after"] else 0

@@ -430,6 +430,14 @@ class Engine:
             sample_logprobs=list(seq.token_sample_logprobs),
         )
 
+    def forget(self, request_id: int) -> None:
+        """Drop a finished request's record (its result is no longer needed): a long-running server's memory stays
+        bounded. A request still running or waiting is refused."""
+        seq = self._requests.get(request_id)
+        if seq is not None and seq.finish_reason is None:
+            raise EngineError(f"request {request_id} has not finished: cancel it first")
+        self._requests.pop(request_id, None)
+
     def has_work(self) -> bool:
         return bool(self._running or self._waiting or self._events)
 
