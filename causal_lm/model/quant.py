@@ -172,6 +172,10 @@ class EmbedQArray(QArray):
             self.data, self.scale, self.minimum, self.bits, self.group, self.in_shape, self.out_shape, self.dtype
         )
 
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        """The float table [V, D]."""
+        return self.T.dequantize(dtype).T
+
     def lookup(self, tokens) -> jax.Array:
         """Rows `tokens` [...] of the [V, D] table -> [..., D], dequantizing only those columns of the head."""
         D, g = self.size_in, self.group
