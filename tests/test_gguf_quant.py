@@ -55,3 +55,24 @@ def test_k_quants_load_dequantized_beside_kept_q8(hf_model, tok, tmp_path):  # n
     assert isinstance(kept.blocks.mlp.w_up, QuantizedWeight)
     assert not isinstance(kept.blocks.mlp.w_down, QuantizedWeight)  # Q4_K: dequantized float
     assert np.isfinite(np.asarray(kept(tokens_for(tok.get_vocab_size())[:1, :8])[0])).all()
+
+
+def test_cli_convert_quantize_and_bad_weights_are_one_line(hf_model, tok, tmp_path, capsys):  # noqa: F811
+    from causal_lm.cli import main
+    from causal_lm.train import load_for_inference
+
+    path = write_gguf(tmp_path / "tiny.gguf", hf_model, tok)
+    wd = str(tmp_path / "wd")
+    assert main(["convert", "--from-gguf", path, "--workdir", wd, "--quantize", "int8"]) == 0
+    assert "weights stored int8" in capsys.readouterr().out
+    model, _, config = load_for_inference(wd)
+    assert config.model.weights == "int8" and model.blocks.mlp.w_up.data[...].dtype == np.int8
+    for argv, expected in [
+        (["generate", "--workdir", wd, "--weights", "int3"], "--weights must be one of float32, int8, int4"),
+        (["generate", "--config", "tiny", "--weights", "int4", "--group-size", "12"], "group_size 12 does not divide"),
+        (["generate", "--workdir", wd, "--weights", "int4"], "the model's weights are int8"),
+        (["convert", "--from-gguf", path, "--workdir", wd + "2", "--quantize", "int3"], "--quantize must be int8"),
+    ]:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "error:" in err[0] and expected in err[0], err
