@@ -655,4 +655,29 @@ MUTANTS = [
         tests=["tests/test_kv_concurrency.py::test_fit_counts_are_what_the_engine_admits"],
         why="a sequence's page bound counts the last token, whose K/V are never written: fewer users fit than do",
     ),
+    # ---- weight-only quantization (issue 31) ------------------------------------------------------------------
+    dict(
+        name="quant-scale-of-another-group",
+        file="causal_lm/model/quant.py",
+        old="y = jnp.sum(part * self.scale[None], axis=1)  # [R, NO]",
+        new="y = jnp.sum(part * self.scale[::-1][None], axis=1)  # [R, NO]",
+        tests=["tests/test_quant.py::test_quantized_product_equals_the_dequantized_float_product[1-int8-g16]"],
+        why="the decode product multiplies each group's partial sum by another group's scale",
+    ),
+    dict(
+        name="quant-groups-strided-not-consecutive",
+        file="causal_lm/model/quant.py",
+        old="wg = w.reshape(NI // group, group, NO)  # [G, g, NO]",
+        new="wg = w.reshape(group, NI // group, NO).swapaxes(0, 1)  # [G, g, NO]",
+        tests=["tests/test_quant.py::test_round_trip_error_is_within_half_a_step_of_each_group[int8-g16]"],
+        why="quantization groups gather every G-th input, while the stored scales are read for consecutive inputs",
+    ),
+    dict(
+        name="quant-int4-nibbles-swapped",
+        file="causal_lm/model/quant.py",
+        old="data = nib[:, :h, :] | (nib[:, h:, :] << 4)  # [G, g/2, NO]",
+        new="data = nib[:, h:, :] | (nib[:, :h, :] << 4)  # [G, g/2, NO]",
+        tests=["tests/test_quant.py::test_round_trip_error_is_within_half_a_step_of_each_group[int4-g16]"],
+        why="the two halves of a group are packed into the other nibble than GGUF's layout (and the reader) puts them",
+    ),
 ]
