@@ -43,6 +43,11 @@ WEIGHTS = ("float32",) + FORMATS  # model.weights: float32 = the unquantized par
 DEFAULT_GROUP = {"int8": 0, "int4": 32}  # 0: one group over the whole input (int8 per output channel)
 # Rows up to this many take the blocked reduce (decode); more take dequantize + matmul (prefill).
 REDUCE_MAX_ROWS = 16
+BLOCK = 32  # inputs per partial sum of the decode product
+# Outputs beyond this many (the output head: 49,152 on the 135M shape) take dequantize + matmul at decode too:
+# XLA:CPU's fused reduce over a [576, 49152] int8 head takes 550 ms (88 ms stored transposed) against the float
+# matmul's 7 ms, so the head's bytes are read as float there.
+WIDE_OUT = 8192
 
 # Which parameters of which modules are quantized, and how many leading dims are inputs (`project`'s n_in).
 # MLA's wk_b / wv_b stay float: they are contracted over a non-leading dim (absorbed attention) and are small.
@@ -123,7 +128,7 @@ class QArray:
         NI, NO, g = self.size_in, self.size_out, self.group
         rows = math.prod(lead)
         x2 = x.reshape(rows, NI)
-        if rows > REDUCE_MAX_ROWS:
+        if rows > REDUCE_MAX_ROWS or NO > WIDE_OUT:
             y = jnp.matmul(
                 x2.astype(self.dtype), self.dequantize(self.dtype).reshape(NI, NO), preferred_element_type=out_dtype
             )
@@ -133,10 +138,14 @@ class QArray:
         # consumers: more bytes than the weights. Adding 0 * (a byte of this weight) (not folded: 0 * x is not 0
         # for a float NaN) makes each product's broadcast its own, fused into its reduce.
         x2 = x2.astype(jnp.float32) + 0.0 * self.data.reshape(-1)[0].astype(jnp.float32)
+        # Reduced in blocks of 32 inputs (b), then the blocks of each group summed: one reduce over a whole long
+        # group (int8 per channel: g = NI) runs 10x slower on XLA:CPU than a blocked one.
+        b = BLOCK if g % BLOCK == 0 else g
         xf = x2.reshape(rows, NI // g, g)  # [R, G, g]
         if self.bits == 8:
-            q = self.data.reshape(NI // g, g, NO).astype(jnp.float32)
-            part = jnp.sum(xf[:, :, :, None] * q[None], axis=2)  # [R, G, NO]
+            q = self.data.reshape(NI // b, b, NO).astype(jnp.float32)
+            part = jnp.sum(x2.reshape(rows, NI // b, b)[:, :, :, None] * q[None], axis=2)  # [R, NI / b, NO]
+            part = part.reshape(rows, NI // g, g // b, NO).sum(axis=2)  # [R, G, NO]
         else:
             # Unpacked to [G, g, NO] int8 nibbles, then one multiply-and-reduce as for int8. XLA:CPU writes the
             # unpacked nibbles out (1 byte per weight) before the product: its dot-like fusion of convert, multiply
