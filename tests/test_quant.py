@@ -156,3 +156,12 @@ def test_bad_formats_and_group_sizes_are_one_line_errors():
         causal_lm.quantize(model, "int4", group_size=0)
     with pytest.raises(QuantizeError, match="already quantized"):
         causal_lm.quantize(causal_lm.quantize(model, "int8"), "int4")
+
+
+@pytest.mark.slow
+def test_speculative_decoding_of_a_quantized_model_gives_its_greedy_tokens():
+    model = quantize(tiny_model(tiny_config("gqa")), "int8", group_size=16)
+    prompts = [[3, 1, 4, 1, 3, 1, 4, 1, 3, 1]]
+    plain = generate(model, prompts, max_new_tokens=8)
+    spec = generate(model, prompts, max_new_tokens=8, speculative="ngram", draft_tokens=3)
+    assert spec.tokens == plain.tokens
