@@ -29,8 +29,10 @@ from causal_lm.bench.first_call import first_call_latency
 from causal_lm.bench.peer import build_peer, peer_forward, peer_mismatch, peer_runner
 from causal_lm.config import Config, ModelConfig
 from causal_lm.decode import generate
+from causal_lm.interop.gguf import load_gguf
 from causal_lm.interop.hf_weights import model_from_params
 from causal_lm.model.kv_cache import CACHE_DTYPES, cache_bytes, init_cache
+from causal_lm.model.quant import WEIGHTS, quantize
 from causal_lm.train import Note, load_for_inference
 from causal_lm.train.profile import profile_trace
 from causal_lm.train.state import init_params
@@ -258,8 +260,6 @@ def bench_decode(
     and "ratio_vs_float32" (cached tokens/s against the float32 row of the same context and batch, same run).
     gguf: time a GGUF file's model with its Q8_0 / Q4_0 / Q4_1 weights kept quantized (no peer; weights ignored).
     """
-    from causal_lm.model.quant import WEIGHTS, quantize
-
     weights = tuple(weights)
     for w in weights:
         if w not in WEIGHTS:
@@ -267,8 +267,6 @@ def bench_decode(
     env = environment()  # before any work: the load average then is other processes', not this run's
     tokenizer = None
     if gguf is not None:
-        from causal_lm.interop.gguf import load_gguf
-
         model, tokenizer = load_gguf(gguf, dequantize=False)
         m, peer, first_call, weights = model.config, False, False, (model.config.weights,)
     elif workdir is not None:

@@ -19,6 +19,7 @@ from causal_lm.data.tokenizer import HFTokenizer
 from causal_lm.interop.gguf import ARCHITECTURES, load_gguf
 from causal_lm.interop.hf_checkpoint import load_hf, save_hf
 from causal_lm.interop.hf_config import HFFormatError, read_hf_config
+from causal_lm.model.quant import quantize as quantize_model
 from causal_lm.train.checkpoint import (
     CHECKPOINT_DIR,
     REFUSED_DIR,
@@ -114,8 +115,6 @@ def _save_converted(workdir: str, model, tokenizer, replace: list[int] = (), qua
     """Write a converted model and its tokenizer as a checkpoint of `workdir` (generate, eval, train read it);
     quantize: "int8" | "int4" stores the weights that way (causal_lm.quantize, default group sizes)."""
     if quantize:
-        from causal_lm.model.quant import quantize as quantize_model
-
         model = quantize_model(model, quantize)
 
     mc = model.config

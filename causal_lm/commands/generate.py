@@ -20,7 +20,9 @@ from causal_lm.config import load_config
 from causal_lm.data.tokenizer import ByteTokenizer
 from causal_lm.decode import generate
 from causal_lm.interop.chat import apply_chat_template
+from causal_lm.interop.gguf import load_gguf
 from causal_lm.model import backends, build_model
+from causal_lm.model.quant import quantize
 from causal_lm.train.checkpoint import load_for_inference
 
 
@@ -91,8 +93,6 @@ def register(sub):
 
 def apply_weights(model, weights, group_size=None):
     """The model with `--weights` applied: quantized from float, or unchanged when it already is that format."""
-    from causal_lm.model.quant import quantize
-
     if weights is not None and weights not in ("float32", "int8", "int4"):
         raise ValueError(f"--weights must be one of float32, int8, int4, got {weights!r}")
     have = model.config.weights
@@ -123,8 +123,6 @@ def load_model_and_tokenizer(workdir=None, config_path=None, overrides=(), gguf=
     """(model, tokenizer) from a workdir's latest checkpoint, a GGUF file (quants kept), or a random-init model
     from a config."""
     if gguf:
-        from causal_lm.interop.gguf import load_gguf
-
         return load_gguf(gguf, dequantize=False)
     if workdir:
         model, tokenizer, _ = load_for_inference(workdir)

@@ -55,7 +55,8 @@ import numpy as np
 from causal_lm.data.tokenizer import HFTokenizer
 from causal_lm.interop.chat import end_of_turn_id
 from causal_lm.interop.hf_config import HFFormatError, model_config_from_hf
-from causal_lm.interop.hf_weights import model_from_params, read_params
+from causal_lm.interop.hf_weights import model_from_params, param_table, read_params
+from causal_lm.model.quant import QUANTIZED, QuantizedWeight
 from causal_lm.model.weights import check_tensor
 
 # general.architecture -> the Hugging Face architecture computing the same network
@@ -466,8 +467,6 @@ def keep_quantized(model, reader, arch: str):
     blocks (model/quant.py's int8 / int4 storage, groups of 32 along the input): no requantization error. Weights
     of other types (F32, F16, the K-quants, ...), and a stacked weight whose layers differ in type, stay as read
     (dequantized float)."""
-    from causal_lm.interop.hf_weights import param_table
-    from causal_lm.model.quant import QUANTIZED, QuantizedWeight
 
     c = model.config
     tensors = {t.name: t for t in reader.tensors}
