@@ -39,6 +39,7 @@ _EXPORTS = {
         "init_cache",
     ),
     "causal_lm.model.functional": ("forward",),
+    "causal_lm.model.quant": ("QuantizeError", "quantize"),
     "causal_lm.serve": ("Engine", "EngineError"),
     "causal_lm.train": (
         "CheckpointError",

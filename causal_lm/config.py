@@ -31,6 +31,7 @@ LAYER_KINDS = ("global", "local")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 ROPE_KINDS = ("rope", "nope")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+WEIGHTS = ("float32", "int8", "int4")  # model.weights (model/quant.py)
 DTYPES = ("float32", "bfloat16", "float16")
 OPTIMIZERS = ("adamw", "muon", "lion", "adafactor")
 TASKS = ("lm", "sft")  # train.task: what the loss trains on (causal_lm/train/post.py)
@@ -363,6 +364,12 @@ class ModelConfig:
     init_std: float = 0.02
     param_dtype: str = "float32"
     dtype: str = "float32"  # compute dtype; softmax and loss are always float32
+    # Weight-only quantization (causal_lm.quantize, model/quant.py): "float32" = the float parameters (param_dtype),
+    # "int8" (per output channel, or groups of weights_group_size inputs), "int4" (groups of weights_group_size
+    # inputs, symmetric or with per-group minimums). Set by quantize(); a checkpoint's config rebuilds the structure.
+    weights: str = "float32"
+    weights_group_size: int = 0  # 0: one group spanning the input (int8 per output channel)
+    weights_minimums: bool = False
     # What the backward pass recomputes: "none" (keep every matmul output), "minimal" (keep only the named
     # projection outputs q/k/v/o and the MLP's, recompute the rest), "full" (keep each block's input only).
     # Old configs' true/false mean full/none.
@@ -435,6 +442,11 @@ class ModelConfig:
         _check(self.norm_eps > 0, f"model.norm_eps must be positive, got {self.norm_eps}")
         _check(self.param_dtype in DTYPES, f"model.param_dtype must be one of {DTYPES}, got {self.param_dtype!r}")
         _check(self.dtype in DTYPES, f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _check(self.weights in WEIGHTS, f"model.weights must be one of {WEIGHTS}, got {self.weights!r}")
+        _check(
+            isinstance(self.weights_group_size, int) and self.weights_group_size >= 0,
+            f"model.weights_group_size must be a non-negative integer, got {self.weights_group_size!r}",
+        )
 
     def _derive_sizes(self):
         """Fill in the sizes left at None (recording which, see the class docstring)."""

@@ -783,4 +783,37 @@ MUTANTS = [
         tests=["tests/test_server.py::test_sigterm_during_a_stream_exits_0"],
         why="SIGTERM waits for every running request to finish (a long generation keeps the server up)",
     ),
+    # ---- weight-only quantization (issue 31) ------------------------------------------------------------------
+    dict(
+        name="quant-scale-of-another-group",
+        file="causal_lm/model/quant.py",
+        old="y = jnp.sum(part * self.scale[None], axis=1)  # [R, NO]",
+        new="y = jnp.sum(part * self.scale[::-1][None], axis=1)  # [R, NO]",
+        tests=["tests/test_quant.py::test_quantized_product_equals_the_dequantized_float_product[1-int8-g16]"],
+        why="the decode product multiplies each group's partial sum by another group's scale",
+    ),
+    dict(
+        name="quant-groups-strided-not-consecutive",
+        file="causal_lm/model/quant.py",
+        old="wg = w.reshape(NI // group, group, NO)  # [G, g, NO]",
+        new="wg = w.reshape(group, NI // group, NO).swapaxes(0, 1)  # [G, g, NO]",
+        tests=["tests/test_quant.py::test_round_trip_error_is_within_half_a_step_of_each_group[int8-g16]"],
+        why="quantization groups gather every G-th input, while the stored scales are read for consecutive inputs",
+    ),
+    dict(
+        name="quant-int4-nibbles-swapped",
+        file="causal_lm/model/quant.py",
+        old="data = nib[:, :h, :] | (nib[:, h:, :] << 4)  # [G, g/2, NO]",
+        new="data = nib[:, h:, :] | (nib[:, :h, :] << 4)  # [G, g/2, NO]",
+        tests=["tests/test_quant.py::test_round_trip_error_is_within_half_a_step_of_each_group[int4-g16]"],
+        why="the two halves of a group are packed into the other nibble than GGUF's layout (and the reader) puts them",
+    ),
+    dict(
+        name="quant-dequantize-up-front",
+        file="causal_lm/model/quant.py",
+        old="REDUCE_MAX_ROWS = 16",
+        new="REDUCE_MAX_ROWS = 0",
+        tests=["tests/test_quant.py::test_the_compiled_decode_step_reads_the_quantized_bytes"],
+        why="decode dequantizes every weight to float before a float matmul: right numbers, 4-8x the bytes read",
+    ),
 ]

@@ -29,8 +29,10 @@ from causal_lm.bench.first_call import first_call_latency
 from causal_lm.bench.peer import build_peer, peer_forward, peer_mismatch, peer_runner
 from causal_lm.config import Config, ModelConfig
 from causal_lm.decode import generate
+from causal_lm.interop.gguf import load_gguf
 from causal_lm.interop.hf_weights import model_from_params
 from causal_lm.model.kv_cache import CACHE_DTYPES, cache_bytes, init_cache
+from causal_lm.model.quant import WEIGHTS, quantize
 from causal_lm.train import Note, load_for_inference
 from causal_lm.train.profile import profile_trace
 from causal_lm.train.state import init_params
@@ -234,6 +236,8 @@ def bench_decode(
     draft_tokens: int = 4,
     profile: str | None = None,
     first_call: bool = True,
+    weights: Sequence[str] = ("float32",),
+    gguf: str | None = None,
 ) -> dict:
     """Decode throughput of `generate` with and without the KV cache, per (context, batch), and of the peer.
 
@@ -251,10 +255,21 @@ def bench_decode(
     peer_cached_tokens_per_s, peer_recompute_tokens_per_s, peer_prefill_tokens_per_s, ...}], speculative rows,
     decode_loop: `decode_loop_comparison` at context 512 (or the first), batch 1, and first_call:
     `first_call_latency` (first_call_first_token_s, cached_compile_first_token_s, ...) or None.
+    weights: rows for the model's weights stored as each of these (float32, and int8 / int4 through
+    `causal_lm.quantize`, default group sizes); each row's "weights", its "weight_bytes" (what the floor counts)
+    and "ratio_vs_float32" (cached tokens/s against the float32 row of the same context and batch, same run).
+    gguf: time a GGUF file's model with its Q8_0 / Q4_0 / Q4_1 weights kept quantized (no peer; weights ignored).
     """
+    weights = tuple(weights)
+    for w in weights:
+        if w not in WEIGHTS:
+            raise ValueError(f"--weights: {w!r} is not one of {', '.join(WEIGHTS)}")
     env = environment()  # before any work: the load average then is other processes', not this run's
     tokenizer = None
-    if workdir is not None:
+    if gguf is not None:
+        model, tokenizer = load_gguf(gguf, dequantize=False)
+        m, peer, first_call, weights = model.config, False, False, (model.config.weights,)
+    elif workdir is not None:
         model, tokenizer, trained = load_for_inference(workdir)
         m = trained.model
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
@@ -298,10 +313,19 @@ def bench_decode(
     if first_call:  # before this process compiles anything, while the machine is as quiet as it will be
         shape = config if workdir is None else trained
         latency = first_call_latency(shape, context=contexts[0], batch=batches[0], new_tokens=n)
-    if workdir is None:
+    if workdir is None and gguf is None:
         _, params, _ = init_params(m, config.train.seed)
         model = model_from_params(m, params)
-    weight_bytes = int(sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
+
+    def nbytes(model):
+        return int(sum(x.nbytes for x in jax.tree.leaves(nnx.state(model, nnx.Param))))
+
+    weight_bytes = nbytes(model)
+    variants = {
+        w: model if w == model.config.weights else (quantize(model, w) if w != "float32" else None) for w in weights
+    }
+    if any(v is None for v in variants.values()):
+        raise ValueError(f"--weights float32: the model's weights are {model.config.weights}, not float")
     peer_model = build_peer(m, params).eval() if status == "ok" else None
     rng = np.random.default_rng(0)
     rows = []
@@ -310,21 +334,27 @@ def bench_decode(
         for context in contexts:
             for batch in batches:
                 prompts = rng.integers(0, m.vocab_size, (batch, context), dtype=np.int64)
-                for cache_dtype in (None, *cache_dtypes):
-                    rows.append(
-                        _decode_row(
-                            model,
+                for w, variant in variants.items():
+                    for cache_dtype in (None, *cache_dtypes):
+                        row = _decode_row(
+                            variant,
                             m,
-                            peer_model if cache_dtype is None else None,
+                            peer_model if cache_dtype is None and w == "float32" else None,
                             prompts,
                             n,
-                            n_re,
+                            n_re if w == "float32" else 0,
                             reps,
-                            weight_bytes,
+                            nbytes(variant),
                             machine,
                             cache_dtype,
                         )
-                    )
+                        base = [r for r in rows if r["weights"] == "float32" and r["context"] == context]
+                        base = [r for r in base if r["batch"] == batch and r["cache_dtype"] == row["cache_dtype"]]
+                        row["weights"], row["weight_bytes"] = w, nbytes(variant)
+                        row["ratio_vs_float32"] = ratio(
+                            row["cached_tokens_per_s"], base[0]["cached_tokens_per_s"] if base else None
+                        )
+                        rows.append(row)
         spec = []
         if speculative is not None:
             spec = speculative_rows(model, tokenizer, speculative, draft_tokens, n, reps)
@@ -369,7 +399,7 @@ def _decode_row(model, m, peer_model, prompts, n, n_re, reps, weight_bytes, mach
     first = _ours_runner(model, prompts, True, cache_dtype=cache_dtype)  # the smallest room for new tokens
     row["prefill_tokens_per_s"] = batch * context / _best(lambda: first(1), reps)
     row["recompute_tokens_per_s"] = None
-    if cache_dtype is None:  # recomputing is independent of how a cache would store K/V
+    if cache_dtype is None and n_re:  # recomputing is independent of how a cache would store K/V
         row["recompute_tokens_per_s"] = batch * n_re / _decode_seconds(_ours_runner(model, prompts, False), n_re, reps)
     row["cache_speedup"] = ratio(row["cached_tokens_per_s"], row["recompute_tokens_per_s"])
     bpt = decode_bytes_per_token(m, weight_bytes, context + 1 + n / 2, batch, cache_dtype)
@@ -403,14 +433,16 @@ def format_decode(r: dict) -> str:
         "tokens/s of generated tokens after the prompt (prefill excluded); floor = bandwidth floor; "
         "prefill = prompt tokens/s of the first call's prompt pass",
         "",
-        f"{'context':>7s} {'batch':>5s} {'cache':>8s} {'cached':>9s} {'recompute':>10s} {'cache x':>8s} "
+        f"{'context':>7s} {'batch':>5s} {'weights':>7s} {'cache':>8s} {'cached':>9s} {'x f32':>6s} "
+        f"{'recompute':>10s} {'cache x':>8s} "
         f"{'MB/token':>9s} {'floor %':>8s} {'prefill':>9s} {'peer cached':>12s} {'peer recomp':>12s} "
         f"{'peer prefill':>13s} {'cached/peer':>12s} {'recomp/peer':>12s} {'prefill/peer':>13s}",
     ]
     miss = "-" if r["peer_status"] == "ok" else "n/a"
     for w in r["rows"]:
         lines.append(
-            f"{w['context']:>7d} {w['batch']:>5d} {w['cache_dtype']:>8s} {w['cached_tokens_per_s']:>9,.1f} "
+            f"{w['context']:>7d} {w['batch']:>5d} {w.get('weights', 'float32'):>7s} {w['cache_dtype']:>8s} "
+            f"{w['cached_tokens_per_s']:>9,.1f} {fmt(w.get('ratio_vs_float32'), '.2f'):>6s} "
             f"{fmt(w['recompute_tokens_per_s'], ',.1f'):>10s} {fmt(w['cache_speedup'], ',.1f'):>7s}x "
             f"{w['bytes_per_token'] / 1e6:>9.2f} {w['bandwidth_floor_fraction'] * 100:>7.0f}% "
             f"{w['prefill_tokens_per_s']:>9,.0f} {fmt(w['peer_cached_tokens_per_s'], ',.1f', miss):>12s} "

@@ -63,6 +63,15 @@ def register(sub):
         action="store_true",
         help="skip timing the first token of two fresh processes (compiling, then from the compilation cache)",
     )
+    d.add_argument(
+        "--weights",
+        default="float32",
+        metavar="float32,int8,int4",
+        help="rows for the weights stored as each of these (causal_lm.quantize), comma-separated",
+    )
+    d.add_argument(
+        "--gguf", default=None, metavar="FILE", help="time a GGUF file's model, its Q8_0/Q4_0/Q4_1 weights kept"
+    )
     d.set_defaults(func=run_decode)
     s = which.add_parser(
         "serve", help="the serving engine on a fixed workload vs generate (x1, batches of 8) and transformers' CB"
@@ -157,6 +166,8 @@ def run_decode(args) -> int:
         draft_tokens=args.draft_tokens,
         profile=args.profile,
         first_call=not args.no_first_call,
+        weights=tuple(x.strip() for x in args.weights.split(",") if x.strip()),
+        gguf=args.gguf,
     )
     print(json.dumps(r) if args.json else format_decode(r))
     return 0

@@ -19,6 +19,7 @@ from causal_lm.data.tokenizer import HFTokenizer
 from causal_lm.interop.gguf import ARCHITECTURES, load_gguf
 from causal_lm.interop.hf_checkpoint import load_hf, save_hf
 from causal_lm.interop.hf_config import HFFormatError, read_hf_config
+from causal_lm.model.quant import quantize as quantize_model
 from causal_lm.train.checkpoint import (
     CHECKPOINT_DIR,
     REFUSED_DIR,
@@ -78,6 +79,13 @@ def register(sub):
         help="with --from-hf / --from-gguf: convert into a workdir that already holds checkpoints, moving them to "
         "WORKDIR/checkpoints_refused/ (without it such a workdir is refused)",
     )
+    p.add_argument(
+        "--quantize",
+        metavar="int8|int4",
+        default=None,
+        help="with --from-hf / --from-gguf: store the weights as int8 (per output channel) or int4 (groups of 32) "
+        "for decoding (causal_lm.quantize)",
+    )
     p.set_defaults(func=run)
 
 
@@ -103,8 +111,11 @@ def check_target_workdir(workdir: str, force: bool) -> list[int]:
     return steps
 
 
-def _save_converted(workdir: str, model, tokenizer, replace: list[int] = ()) -> str:
-    """Write a converted model and its tokenizer as a checkpoint of `workdir` (generate, eval, train read it)."""
+def _save_converted(workdir: str, model, tokenizer, replace: list[int] = (), quantize=None) -> str:
+    """Write a converted model and its tokenizer as a checkpoint of `workdir` (generate, eval, train read it);
+    quantize: "int8" | "int4" stores the weights that way (causal_lm.quantize, default group sizes)."""
+    if quantize:
+        model = quantize_model(model, quantize)
 
     mc = model.config
     # Training-side settings only matter if the workdir is fine-tuned later: a context that fits the model, and
@@ -122,7 +133,14 @@ def _save_converted(workdir: str, model, tokenizer, replace: list[int] = ()) -> 
 
 
 def convert_from_hf(
-    hf_dir: str, workdir: str, *, tokenizer_path=None, dtype: str = "float32", max_seq_len=None, force: bool = False
+    hf_dir: str,
+    workdir: str,
+    *,
+    tokenizer_path=None,
+    dtype: str = "float32",
+    max_seq_len=None,
+    force: bool = False,
+    quantize=None,
 ) -> dict:
     """Read `hf_dir` with load_hf and write it as a checkpoint of `workdir`. Returns a summary dict. A workdir
     that already holds checkpoints is refused unless force (see check_target_workdir)."""
@@ -136,7 +154,7 @@ def convert_from_hf(
             f"{hf_dir!r} has no tokenizer.json, which generate and eval need to turn text into "
             "ids; pass --tokenizer PATH/tokenizer.json"
         )
-    path = _save_converted(workdir, model, tokenizer, replaced)
+    path = _save_converted(workdir, model, tokenizer, replaced, quantize)
     arch = read_hf_config(hf_dir).get("architectures", ["?"])[0]
     return {
         "architecture": arch,
@@ -150,7 +168,14 @@ def convert_from_hf(
 
 
 def convert_from_gguf(
-    gguf_file: str, workdir: str, *, tokenizer_path=None, dtype: str = "float32", max_seq_len=None, force: bool = False
+    gguf_file: str,
+    workdir: str,
+    *,
+    tokenizer_path=None,
+    dtype: str = "float32",
+    max_seq_len=None,
+    force: bool = False,
+    quantize=None,
 ) -> dict:
     """Read a GGUF file with load_gguf and write it as a checkpoint of `workdir`. Returns a summary dict. A workdir
     that already holds checkpoints is refused unless force (see check_target_workdir)."""
@@ -161,7 +186,7 @@ def convert_from_gguf(
     )
     if tokenizer_path is not None:
         tokenizer = HFTokenizer.from_file(tokenizer_path)
-    path = _save_converted(workdir, model, tokenizer, replaced)
+    path = _save_converted(workdir, model, tokenizer, replaced, quantize)
     arch = ARCHITECTURES["qwen2" if model.config.qkv_bias else "llama"]
     return {
         "architecture": f"GGUF {arch}",
@@ -191,6 +216,8 @@ def convert_to_hf(workdir: str, out_dir: str, *, architecture=None, step=None) -
 
 def run(args) -> int:
     source = args.from_hf or args.from_gguf
+    if args.quantize is not None and args.quantize not in ("int8", "int4"):
+        raise ValueError(f"--quantize must be int8 or int4, got {args.quantize!r}")
     if source:
         flag = "--from-hf DIR" if args.from_hf else "--from-gguf FILE"
         if not args.workdir or args.out:
@@ -205,6 +232,7 @@ def run(args) -> int:
             dtype=args.dtype,
             max_seq_len=args.max_seq_len,
             force=args.force,
+            quantize=args.quantize,
         )
         m = r["config"]
         window = f", sliding window {m.sliding_window}" if m.sliding_window else ""
@@ -213,6 +241,7 @@ def run(args) -> int:
             f"{m.num_heads} heads / {m.num_kv_heads} kv heads, head dim {m.head_dim}, vocab {m.vocab_size}, "
             f"context {m.max_seq_len}, rope theta {m.rope_theta:g}{window}, "
             f"{'tied' if m.tie_embeddings else 'untied'} embeddings, {m.param_dtype}"
+            + (f", weights stored {args.quantize}" if args.quantize else "")
         )
         if r["replaced"]:
             print(
@@ -228,6 +257,8 @@ def run(args) -> int:
         raise ValueError("--to-hf WORKDIR needs --out DIR (and no --workdir)")
     if args.force:
         raise ValueError("--force applies to --from-hf / --from-gguf only")
+    if args.quantize:
+        raise ValueError("--quantize applies to --from-hf / --from-gguf only")
     for name in ("tokenizer", "max_seq_len"):
         if getattr(args, name) is not None:
             raise ValueError(f"--{name.replace('_', '-')} applies to --from-hf / --from-gguf only")

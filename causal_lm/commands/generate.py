@@ -20,7 +20,9 @@ from causal_lm.config import load_config
 from causal_lm.data.tokenizer import ByteTokenizer
 from causal_lm.decode import generate
 from causal_lm.interop.chat import apply_chat_template
+from causal_lm.interop.gguf import load_gguf
 from causal_lm.model import backends, build_model
+from causal_lm.model.quant import quantize
 from causal_lm.train.checkpoint import load_for_inference
 
 
@@ -72,7 +74,37 @@ def register(sub):
         default=1,
         help="N samples of the prompt, its K/V computed once (needs --temperature > 0); printed at the end",
     )
+    p.add_argument(
+        "--weights",
+        metavar="float32|int8|int4",
+        default=None,
+        help="weight storage for decoding: int8 (per output channel) or int4 (groups of --group-size inputs) "
+        "quantizes a float model (causal_lm.quantize); default: as loaded",
+    )
+    p.add_argument("--group-size", type=int, default=None, help="with --weights int8/int4: inputs per scale")
+    p.add_argument(
+        "--gguf",
+        metavar="FILE",
+        default=None,
+        help="run a llama.cpp GGUF file directly, its Q8_0/Q4_0/Q4_1 weights kept quantized (instead of --workdir)",
+    )
     p.set_defaults(func=run)
+
+
+def apply_weights(model, weights, group_size=None):
+    """The model with `--weights` applied: quantized from float, or unchanged when it already is that format."""
+    if weights is not None and weights not in ("float32", "int8", "int4"):
+        raise ValueError(f"--weights must be one of float32, int8, int4, got {weights!r}")
+    have = model.config.weights
+    if weights is None or weights == have:
+        if group_size is not None and weights is None:
+            raise ValueError("--group-size applies with --weights int8|int4")
+        return model
+    if have != "float32":
+        raise ValueError(f"the model's weights are {have}: --weights {weights} cannot convert them (load a float one)")
+    if weights == "float32":
+        return model
+    return quantize(model, weights, group_size=group_size)
 
 
 def _finite(text: str) -> float:
@@ -87,8 +119,11 @@ def _finite(text: str) -> float:
     return value
 
 
-def load_model_and_tokenizer(workdir=None, config_path=None, overrides=()):
-    """(model, tokenizer) from a workdir's latest checkpoint, or a random-init model from a config."""
+def load_model_and_tokenizer(workdir=None, config_path=None, overrides=(), gguf=None):
+    """(model, tokenizer) from a workdir's latest checkpoint, a GGUF file (quants kept), or a random-init model
+    from a config."""
+    if gguf:
+        return load_gguf(gguf, dequantize=False)
     if workdir:
         model, tokenizer, _ = load_for_inference(workdir)
         return model, tokenizer
@@ -99,6 +134,8 @@ def load_model_and_tokenizer(workdir=None, config_path=None, overrides=()):
 
 def _check_args(args) -> None:
     """The errors a user can make on the command line, before any model is loaded."""
+    if args.gguf and (args.workdir or args.overrides or args.config):
+        raise ValueError("--gguf FILE replaces --workdir / --config: give one model")
     if args.workdir and args.overrides:
         raise ValueError("key=value overrides apply to --config models; a workdir's model is fixed by its checkpoint")
     if args.chat is not None and args.prompt is not None:
@@ -153,7 +190,10 @@ def load_draft(workdir: str, target, target_tok):
 
 def run(args) -> int:
     _check_args(args)
-    model, tok = load_model_and_tokenizer(args.workdir, args.config, args.overrides)
+    if args.weights is not None and args.weights not in ("float32", "int8", "int4"):  # before loading anything
+        raise ValueError(f"--weights must be one of float32, int8, int4, got {args.weights!r}")
+    model, tok = load_model_and_tokenizer(args.workdir, args.config, args.overrides, args.gguf)
+    model = apply_weights(model, args.weights, args.group_size)
     speculative = args.speculative
     if speculative is not None and speculative != "ngram":
         speculative = load_draft(speculative, model, tok)  # refused before anything is printed

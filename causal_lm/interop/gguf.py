@@ -49,12 +49,14 @@ from __future__ import annotations
 
 import os
 
+import jax.numpy as jnp
 import numpy as np
 
 from causal_lm.data.tokenizer import HFTokenizer
 from causal_lm.interop.chat import end_of_turn_id
 from causal_lm.interop.hf_config import HFFormatError, model_config_from_hf
-from causal_lm.interop.hf_weights import model_from_params, read_params
+from causal_lm.interop.hf_weights import model_from_params, param_table, read_params
+from causal_lm.model.quant import QUANTIZED, QuantizedWeight
 from causal_lm.model.weights import check_tensor
 
 # general.architecture -> the Hugging Face architecture computing the same network
@@ -431,6 +433,96 @@ def gguf_tokenizer(meta: dict, source: str = "the GGUF file"):
 # ---- entry point --------------------------------------------------------------------------------------------
 
 
+# ---- quantized tensors kept quantized ------------------------------------------------------------------------
+
+# type -> (bytes per 32-element block, bits, has a minimum); the layouts of ggml-common.h
+_KEPT = {"Q8_0": (34, 8, False), "Q4_0": (18, 4, False), "Q4_1": (20, 4, True)}
+
+
+def raw_blocks(t):
+    """A Q8_0 / Q4_0 / Q4_1 tensor's exact stored values in numpy order [rows, cols] (blocks of 32 along cols):
+    (values, scale per element, minimum per element or None, bits); values are int8 q (Q8_0: w = q * d) or the
+    nibbles 0..15 (Q4_0: w = (n - 8) * d, Q4_1: w = n * d + m). None for any other type."""
+    from gguf import GGMLQuantizationType
+
+    kind = GGMLQuantizationType(t.tensor_type).name
+    if kind not in _KEPT:
+        return None
+    size, bits, has_min = _KEPT[kind]
+    rows, cols = (int(n) for n in reversed(t.shape.tolist()))
+    b = np.asarray(t.data).reshape(-1).view(np.uint8).reshape(rows, cols // 32, size)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [rows, blocks]
+    m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32) if has_min else None
+    qs = b[..., 4 if has_min else 2 :]
+    if bits == 8:
+        v = qs.view(np.int8)
+    else:  # byte j of a block: element j in its low nibble, element j + 16 in its high one
+        v = np.concatenate([qs & 15, qs >> 4], axis=-1)
+    spread = lambda a: np.repeat(a, 32, axis=1)  # noqa: E731  (per block -> per element)
+    return v.reshape(rows, cols), spread(d), None if m is None else spread(m), bits
+
+
+def keep_quantized(model, reader, arch: str):
+    """The model read from the file with each weight the file stores as Q8_0 / Q4_0 / Q4_1 replaced by those exact
+    blocks (model/quant.py's int8 / int4 storage, groups of 32 along the input): no requantization error. Weights
+    of other types (F32, F16, the K-quants, ...), and a stacked weight whose layers differ in type, stay as read
+    (dequantized float)."""
+
+    c = model.config
+    tensors = {t.name: t for t in reader.tensors}
+    table = {p.ours: p for p in param_table(c)}
+    targets = [(("embed",), model, "embed", 1), (("lm_head",), model, "lm_head", 1)]
+    for mod_name, module in (("attn", model.blocks.attn), ("mlp", model.blocks.mlp)):
+        for name, n_in in QUANTIZED.get(type(module).__name__, {}).items():
+            targets.append((("blocks", mod_name, name), module, name, n_in))
+    kinds = []
+    for ours, module, name, n_in in targets:
+        p = table.get(ours)
+        if p is None or not hasattr(module, name):
+            continue
+        gname = _HF_TO_GGUF[p.hf]
+        names = [gname.format(i=i) for i in range(c.num_layers)] if p.per_layer else [gname]
+        raws = [raw_blocks(tensors[n]) for n in names]
+        if any(r is None for r in raws) or len({(r[3], r[2] is None) for r in raws}) != 1:
+            continue
+        bits, has_min = raws[0][3], raws[0][2] is not None
+        embed = ours == ("embed",)
+        layers = []
+        for n, (v, d, m, _) in zip(names, raws, strict=True):
+            parts = []
+            for a in (v, d) + ((m,) if has_min else ()):
+                if arch in _PERMUTED and (".attn_q." in n or ".attn_k." in n):
+                    a = unpermute_qk(a, c.num_heads if ".attn_q." in n else c.num_kv_heads)
+                a = p.to_ours(a, c)  # the float path's own layout change, applied to the values and their scales
+                a = a.T if embed else a.reshape(int(np.prod(a.shape[:n_in])), -1)  # [NI, NO], blocks along NI
+                parts.append(np.ascontiguousarray(a))
+            v, d = parts[0], parts[1]
+            ni, no = v.shape
+            scale = d.reshape(ni // 32, 32, no)[:, 0, :]
+            minimum = parts[2].reshape(ni // 32, 32, no)[:, 0, :] if has_min else None
+            if bits == 8:
+                data = v.astype(np.int8)
+            else:
+                nib = v.astype(np.uint8).reshape(ni // 32, 32, no)
+                data = nib[:, :16] | (nib[:, 16:] << 4)
+            layers.append((data, scale, minimum))
+        stack = (lambda xs: np.stack(xs)) if p.per_layer else (lambda xs: xs[0])
+        data, scale = stack([x[0] for x in layers]), stack([x[1] for x in layers])
+        minimum = stack([x[2] for x in layers]) if has_min else None
+        shape = tuple(getattr(module, name)[...].shape[1 if p.per_layer else 0 :])
+        in_shape, out_shape = (shape[1:], shape[:1]) if embed else (shape[:n_in], shape[n_in:])
+        q = QuantizedWeight(
+            jnp.asarray(data), jnp.asarray(scale), None if minimum is None else jnp.asarray(minimum),
+            bits=bits, group=32, in_shape=in_shape, out_shape=out_shape, embed=embed,
+        )  # fmt: skip
+        setattr(module, name, q)
+        kinds.append((bits, has_min))
+    if kinds:  # the format most weights have (a file may mix them; such a model is not rebuilt from its config)
+        bits, has_min = max(set(kinds), key=kinds.count)
+        model.config = c.replace(weights=f"int{bits}", weights_group_size=32, weights_minimums=has_min)
+    return model
+
+
 def load_gguf(
     path: str,
     *,
@@ -438,12 +530,15 @@ def load_gguf(
     dtype: str | None = None,
     max_seq_len: int | None = None,
     load_tokenizer: bool = True,
+    dequantize: bool = True,
 ):
     """Read a GGUF file (Llama or Qwen2 family, any quantization `gguf` dequantizes): (model, tokenizer or None).
 
     Weights are dequantized to float32 and stored in param_dtype (default float32; "bfloat16" halves memory);
     dtype: compute dtype (default: param_dtype). max_seq_len: the context to allow (default: the file's
     context_length). The tokenizer is rebuilt from the file's vocabulary (None with load_tokenizer=False).
+    dequantize=False: Q8_0 / Q4_0 / Q4_1 weights stay quantized, exactly the file's blocks (int8 / int4 with
+    scales, and minimums for Q4_1; see `keep_quantized`); other types (the K-quants) load dequantized.
     """
     path = os.fspath(path)
     reader = _reader(path)
@@ -457,4 +552,6 @@ def load_gguf(
     # The tokenizer first: it is quick, and a vocabulary that cannot be rebuilt should fail before the weights.
     tokenizer = gguf_tokenizer(meta, source=path) if load_tokenizer else None
     model = model_from_params(config, load_gguf_params(reader, config, meta["general.architecture"], path))
+    if not dequantize:
+        model = keep_quantized(model, reader, meta["general.architecture"])
     return model, tokenizer

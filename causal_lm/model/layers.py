@@ -18,6 +18,8 @@ def project(x, w, n_in: int = 1, preferred_element_type=None):
     3-D/4-D operands differentiates into dot_generals whose weight gradient XLA:CPU feeds through a strided
     transpose of the output gradient; on flattened rows both the forward and the backward are plain matmuls.
     """
+    if hasattr(w, "matmul"):  # a quantized weight (model/quant.py): its product reads the quantized bytes
+        return w.matmul(x, n_in, preferred_element_type)
     in_shape, out_shape = w.shape[:n_in], w.shape[n_in:]
     lead = x.shape[: x.ndim - n_in]
     y = jnp.matmul(

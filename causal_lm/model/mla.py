@@ -35,7 +35,7 @@ from causal_lm.config import ModelConfig
 from causal_lm.model.context import AttentionContext
 from causal_lm.model.kernels import attention, grouped_scores, grouped_values, masked_softmax
 from causal_lm.model.kv_cache import KVCache
-from causal_lm.model.layers import normal_param, rms_norm
+from causal_lm.model.layers import normal_param, project, rms_norm
 from causal_lm.model.rope import apply_rope
 
 
@@ -72,10 +72,10 @@ class MLAttention(nnx.Module):
         c = self.config
         dt = jnp.dtype(c.dtype)
         if c.mla.q_lora_rank:
-            cq = rms_norm(jnp.einsum("btd,dq->btq", x, self.wq_a[...].astype(dt)), self.q_norm[...], c.norm_eps)
-            q = checkpoint_name(jnp.einsum("btq,qnh->btnh", cq, self.wq_b[...].astype(dt)), "attn_q")
+            cq = rms_norm(project(x, self.wq_a[...].astype(dt)), self.q_norm[...], c.norm_eps)
+            q = checkpoint_name(project(cq, self.wq_b[...].astype(dt)), "attn_q")
         else:
-            q = checkpoint_name(jnp.einsum("btd,dnh->btnh", x, self.wq[...].astype(dt)), "attn_q")
+            q = checkpoint_name(project(x, self.wq[...].astype(dt)), "attn_q")
         Hn = c.mla.qk_nope_head_dim
         q_nope, q_rope = q[..., :Hn], q[..., Hn:]
         if cos is not None:
@@ -86,7 +86,7 @@ class MLAttention(nnx.Module):
         """What the cache stores for the new tokens: latent [B, T, R] (normalised) and rope key [B, T, Hr]."""
         c = self.config
         dt = jnp.dtype(c.dtype)
-        ckv = checkpoint_name(jnp.einsum("btd,dr->btr", x, self.wkv_a[...].astype(dt)), "attn_kv_latent")
+        ckv = checkpoint_name(project(x, self.wkv_a[...].astype(dt)), "attn_kv_latent")
         R = c.mla.kv_lora_rank
         latent = rms_norm(ckv[..., :R], self.kv_norm[...], c.norm_eps)
         rope_key = ckv[..., R:]
@@ -129,7 +129,7 @@ class MLAttention(nnx.Module):
             q = jnp.concatenate([q_nope, q_rope], axis=-1)
             out, weights = attention(q, k, v, mask, scale=scale, sink=sink, return_weights=ctx.return_weights)
         if c.attn_output_gate:
-            gate = jax.nn.sigmoid(jnp.einsum("btd,dnh->btnh", x, self.wg[...].astype(dt)).astype(jnp.float32))
+            gate = jax.nn.sigmoid(project(x, self.wg[...].astype(dt)).astype(jnp.float32))
             out = (out.astype(jnp.float32) * gate).astype(dt)
-        out = checkpoint_name(jnp.einsum("btnh,nhd->btd", out.astype(dt), self.wo[...].astype(dt)), "attn_o")
+        out = checkpoint_name(project(out.astype(dt), self.wo[...].astype(dt), n_in=2), "attn_o")
         return out, cache, weights

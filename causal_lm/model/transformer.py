@@ -25,6 +25,7 @@ from causal_lm.model.kv_cache import KVCache, check_cache_matches, check_capacit
 from causal_lm.model.layers import MLP, norm, normal_param, project
 from causal_lm.model.mask import AttentionMask, increasing_within_segments, make_mask, segment_positions
 from causal_lm.model.mla import MLAttention
+from causal_lm.model.quant import lookup, quantize
 from causal_lm.model.rope import layer_rope_tables
 from causal_lm.model.weights import check_weights
 
@@ -239,7 +240,7 @@ class Decoder(nnx.Module):
             ctx = AttentionContext(masks, mask_of_layer, plan=plan)
 
         if input_embeddings is None:
-            x = self.embed[...].astype(dt)[tokens]
+            x = lookup(self.embed[...], tokens, dt)
             if c.scale_embeddings:  # sqrt(d_model) rounded to the compute dtype first, as Gemma does
                 x = x * jnp.asarray(np.float32(c.d_model**0.5), dt)
         else:  # the embedding layer's output (after any scaling)
@@ -359,4 +360,8 @@ def build_model(config: ModelConfig, seed: int = 0) -> Decoder:
     """A freshly initialised decoder for `config` (parameters drawn from `seed`)."""
     if not isinstance(config, ModelConfig):
         config = getattr(config, "model", config)
-    return Decoder(config, nnx.Rngs(params=seed))
+    model = Decoder(config.replace(weights="float32"), nnx.Rngs(params=seed))
+    if config.weights == "float32":
+        return model
+    # A quantized model (a checkpoint of one): the same structure from quantized random weights.
+    return quantize(model, config.weights, config.weights_group_size, config.weights_minimums)
