@@ -33,6 +33,7 @@ ROPE_KINDS = ("rope", "nope")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 DTYPES = ("float32", "bfloat16", "float16")
 OPTIMIZERS = ("adamw", "muon", "lion", "adafactor")
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # train.lora_targets (causal_lm/train/lora.py)
 TASKS = ("lm", "sft")  # train.task: what the loss trains on (causal_lm/train/post.py)
 OPT_STATE_DTYPES = ("auto", "float32", "bfloat16")
 
@@ -737,6 +738,11 @@ class TrainConfig:
     # "lm": next-token training on every token; "sft": chat conversations (JSONL `messages`, or the built-in
     # "synthetic-chat" set), loss on the assistant's tokens only.
     task: str = "lm"
+    # LoRA (causal_lm/train/lora.py): lora_rank > 0 trains low-rank adapters W + (lora_alpha / lora_rank) * A @ B on
+    # the weights lora_targets names (q, k, v, o, gate, up, down), the base frozen; 0 = full training.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: str = "q,k,v,o,gate,up,down"
     # ---- optimizer choice, auxiliary loss, profiling (causal_lm/train/state.py, step.py, profile.py) ----------
     optimizer: str = "adamw"  # "adamw" | "muon" (matrices; AdamW for the rest) | "lion" | "adafactor"
     muon_momentum: float = 0.95  # Muon's Nesterov momentum (its AdamW part uses beta1/beta2)
@@ -787,6 +793,18 @@ class TrainConfig:
         )
         _check(self.peak_flops >= 0, f"train.peak_flops must be >= 0, got {self.peak_flops}")
         _check(self.task in TASKS, f"train.task must be one of {TASKS}, got {self.task!r}")
+        _check(
+            isinstance(self.lora_rank, int) and self.lora_rank >= 0,
+            f"train.lora_rank must be an integer >= 0 (0 = no LoRA), got {self.lora_rank!r}",
+        )
+        _check(self.lora_alpha > 0, f"train.lora_alpha must be positive, got {self.lora_alpha}")
+        if self.lora_rank:
+            names = [n.strip() for n in str(self.lora_targets).split(",") if n.strip()]
+            _check(
+                bool(names) and all(n in LORA_TARGETS for n in names),
+                f"train.lora_targets={self.lora_targets!r}: expected a comma-separated subset of "
+                + ",".join(LORA_TARGETS),
+            )
         _check(self.optimizer in OPTIMIZERS, f"train.optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         _check(0.0 <= self.muon_momentum < 1.0, f"train.muon_momentum must be in [0, 1), got {self.muon_momentum}")
         _check(self.z_loss >= 0, f"train.z_loss must be >= 0 (0 = off), got {self.z_loss}")

@@ -716,4 +716,20 @@ MUTANTS = [
         tests=["tests/test_post_training.py::test_sampler_logprobs_equal_the_trainers[top_k]"],
         why="sample_logprobs of the untruncated, untempered distribution: GRPO trains off-policy (TRL #4159)",
     ),
+    dict(
+        name="lora-scale-alpha-not-over-rank",
+        file="causal_lm/train/lora.py",
+        old="return float(train_config.lora_alpha) / float(train_config.lora_rank)",
+        new="return float(train_config.lora_alpha)",
+        tests=["tests/test_lora.py::test_merged_weights_are_w_plus_alpha_over_rank_ab_and_generate_as_the_adapter"],
+        why="the adapters scaled by alpha, not alpha / rank: merged weights and training disagree with LoRA's",
+    ),
+    dict(
+        name="lora-adapts-every-matrix",
+        file="causal_lm/train/lora.py",
+        old='if names and names[-1] in wanted and "mla" not in names:',
+        new='if names and names[-1] in MUON_MATRICES and "mla" not in names:',
+        tests=["tests/test_lora.py::test_only_the_adapters_train_and_a_resume_is_exact"],
+        why="train.lora_targets ignored: weights outside the targets are adapted (trained)",
+    ),
 ]

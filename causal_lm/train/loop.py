@@ -48,6 +48,8 @@ from causal_lm.train.checkpoint import (
     CheckpointError,
     IntegrityError,
     check_model_config,
+    load_lora_base,
+    save_lora_base,
     write_workdir_files,
 )
 from causal_lm.train.evaluate import evaluate_split
@@ -62,6 +64,7 @@ from causal_lm.train.hooks import (
     WriteMetrics,
 )
 from causal_lm.train.lock import WorkdirLock
+from causal_lm.train.lora import LORA_BASE_DIR, LoraGraph, adapter_count, init_adapters, lora_scale
 from causal_lm.train.metrics import MetricsWriter, peak_flops, train_flops_per_token
 from causal_lm.train.post import build_task_data
 from causal_lm.train.profile import PROFILE_DIR
@@ -322,9 +325,15 @@ def _train(
     if main:
         write_workdir_files(workdir, config, data.tokenizer)
     console = _Console(t.progress and main, t.steps, start)
-    flops_per_token = train_flops_per_token(m, state.params, t.seq_len)
+    full_params = rest["base"] if t.lora_rank else state.params
+    flops_per_token = train_flops_per_token(m, full_params, t.seq_len)
     _resume_lines(console, workdir, start, notes, changed, requested_vocab, m, data.tokenizer.kind)
-    _banner(console, config, data, mesh, state.params, flops_per_token, attention_line)
+    _banner(console, config, data, mesh, full_params, flops_per_token, attention_line)
+    if t.lora_rank:
+        console.print(
+            f"LoRA: {adapter_count(state.params):,} adapter parameters train (rank {t.lora_rank}, alpha "
+            f"{t.lora_alpha:g}, targets {t.lora_targets}); the base is frozen in {os.path.join(workdir, LORA_BASE_DIR)}"
+        )
 
     run = Run(config, workdir, graphdef, rest, data, ckpt, console, main, place_batch, callback)
     writer = WriteMetrics(MetricsWriter(workdir, start) if main else _NoWriter())
@@ -357,7 +366,8 @@ def _restore_or_init(config: Config, workdir: str, ckpt: Checkpointer, data, can
     """(graphdef, state, rest, start step, changed settings): a fresh train state, or the newest intact checkpoint's
     (parameters, optimizer state, RNG, data iterator position), deleting or moving aside the later checkpoints."""
     t, m = config.train, config.model
-    main = parallel.is_main_process()
+    if t.lora_rank:
+        return _restore_or_init_lora(config, workdir, ckpt, data, candidates, mesh)
     optimizer = make_optimizer(t)
     if mesh is None:
         graphdef, params, rest = init_params(m, t.seed)
@@ -378,21 +388,75 @@ def _restore_or_init(config: Config, workdir: str, ckpt: Checkpointer, data, can
             if meta.get("data_state") is not None:
                 data.train.restore(meta["data_state"])  # the next batch is the one step start+1 saw
             changed = _setting_changes(meta["config"], config)
-        later = [s for s in ckpt.all_steps() if s > restored]
-        if later and restored == t.resume_step:
-            if main:
-                which = f"checkpoint{'s' if len(later) > 1 else ''} {', '.join(map(str, later))}"
-                note(
-                    f"discarding {which} of {workdir!r}: train.resume_step={t.resume_step} resumes from checkpoint "
-                    f"{restored}"
-                )
-            ckpt.delete_after(restored)
-        elif later:  # refused as damaged: kept for a person to look at, out of the way of the new saves
-            moved = ckpt.move_aside(later) if main else []
-            if main:
-                note(f"moved the refused checkpoints {', '.join(map(str, later))} to {os.path.dirname(moved[0])}")
-            ckpt.reload()
+        _drop_later(ckpt, restored, t, workdir)
     return graphdef, state, rest, start, changed
+
+
+def _drop_later(ckpt: Checkpointer, restored: int, t, workdir: str) -> None:
+    """Delete (train.resume_step) or move aside (refused as damaged) the checkpoints after the restored one."""
+    main = parallel.is_main_process()
+    later = [s for s in ckpt.all_steps() if s > restored]
+    if later and restored == t.resume_step:
+        if main:
+            which = f"checkpoint{'s' if len(later) > 1 else ''} {', '.join(map(str, later))}"
+            note(
+                f"discarding {which} of {workdir!r}: train.resume_step={t.resume_step} resumes from checkpoint "
+                f"{restored}"
+            )
+        ckpt.delete_after(restored)
+    elif later:  # refused as damaged: kept for a person to look at, out of the way of the new saves
+        moved = ckpt.move_aside(later) if main else []
+        if main:
+            note(f"moved the refused checkpoints {', '.join(map(str, later))} to {os.path.dirname(moved[0])}")
+        ckpt.reload()
+
+
+def _is_lora_checkpoint(ckpt: Checkpointer, step: int) -> bool:
+    try:
+        return bool(ckpt.read_meta(step)["config"].get("train", {}).get("lora_rank"))
+    except IntegrityError:
+        return True  # damaged: left to the restore, which skips it with a note
+
+
+def _restore_or_init_lora(config: Config, workdir: str, ckpt: Checkpointer, data, candidates, mesh):
+    """`_restore_or_init` of a LoRA run: the state's params are the adapters; the frozen base (a fresh model, or
+    the converted model a workdir holds as an inference-only checkpoint) is saved once to workdir/lora_base and
+    travels in `rest` beside the model's other state (see causal_lm.train.lora)."""
+    t, m = config.train, config.model
+    if mesh is not None:
+        raise ConfigError("train.lora_rank: LoRA runs on one device for now (no mesh)")
+    graphdef, params, rest = init_params(m, t.seed)
+    lora_steps = [s for s in candidates if _is_lora_checkpoint(ckpt, s)]
+    others = [s for s in candidates if s not in lora_steps]
+    if os.path.isdir(os.path.join(workdir, LORA_BASE_DIR, CHECKPOINT_DIR)):
+        base = load_lora_base(workdir, params)
+    elif lora_steps:
+        base = load_lora_base(workdir, params)  # raises: adapters without their base
+    else:
+        base = params
+        if others:  # a converted model (inference-only checkpoint) to fine-tune: it is the base
+            s = others[0]
+            base, train_state, _ = ckpt.restore(s, params)
+            if train_state is not None or ckpt.read_meta(s).get("has_train_state"):
+                raise ConfigError(
+                    f"train.lora_rank={t.lora_rank}: {workdir!r} holds a full training run (checkpoint {s}); LoRA "
+                    "fine-tunes a fresh model or a converted one: run it in a workdir of its own"
+                )
+        if parallel.is_main_process():
+            meta = {"config": config_to_dict(config), "tokenizer": data.tokenizer.to_dict(), "data_state": None}
+            save_lora_base(workdir, base, meta)
+    adapters = init_adapters(base, t.lora_targets, t.lora_rank, t.seed)
+    state = init_train_state(adapters, make_optimizer(t), t.seed)
+    start, changed = 0, []
+    if lora_steps:
+        restored, adapters, train_state, meta = _restore_newest_intact(ckpt, lora_steps, state, data.tokenizer, workdir)
+        state = dataclasses.replace(state, params=adapters, **train_state)
+        start = int(state.step)
+        if meta.get("data_state") is not None:
+            data.train.restore(meta["data_state"])
+        changed = _setting_changes(meta["config"], config)
+        _drop_later(ckpt, restored, t, workdir)
+    return LoraGraph(graphdef, lora_scale(t)), state, {"base": base, "rest": rest}, start, changed
 
 
 def _resume_lines(console, workdir, start, notes, changed, requested_vocab, m, tokenizer_kind):
