@@ -14,7 +14,7 @@ from causal_lm.cli import main as cli_main
 from causal_lm.config import ConfigError, TrainConfig, load_config
 from causal_lm.decode import generate
 from causal_lm.train import train_and_evaluate
-from causal_lm.train.checkpoint import Checkpointer, load_for_inference, load_lora_base
+from causal_lm.train.checkpoint import Checkpointer, load_for_inference, load_frozen_base
 from causal_lm.train.lora import LoraGraph, init_adapters, lora_scale, merge_model
 from causal_lm.train.metrics import read_metrics
 from causal_lm.train.state import init_params, init_train_state, make_optimizer, split_params
@@ -68,7 +68,7 @@ def test_only_the_adapters_train_and_a_resume_is_exact(lora_runs):
     config, straight, resumed, _ = lora_runs
     model, _, run_config = load_for_inference(straight)  # base + adapters, merged
     graphdef, params, rest = split_params(model)
-    base = load_lora_base(straight, params)
+    base = load_frozen_base(straight, params)
     # the checkpoint holds the adapters only, of the targeted weights only
     adapters, state, meta = _adapter_state(straight, 3, config, base)
     names = {k.split(".")[-1] for k in meta["param_shapes"]}
@@ -104,7 +104,7 @@ def test_merged_weights_are_w_plus_alpha_over_rank_ab_and_generate_as_the_adapte
     merged_model, _, merged_config = load_for_inference(out)
     assert merged_config.train.lora_rank == 0  # a plain model now
     graphdef, params, rest = split_params(merged_model)
-    base = load_lora_base(straight, params)
+    base = load_frozen_base(straight, params)
     adapters = _adapter_state(straight, 3, config, base)[0]
     # by hand: W + (alpha / rank) * A @ B, alpha 8, rank 4
     a, b = (np.asarray(adapters["blocks"]["attn"]["wq"][k], np.float64) for k in ("lora_a", "lora_b"))

@@ -552,7 +552,7 @@ def load_for_inference(workdir: str, step: None | int | str = None, overrides: I
         else:  # an explicit device: a checkpoint saved from a mesh restores only onto a given layout
             shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.local_devices()[0]), target)
         target = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), target, shardings)
-        if config.train.lora_rank:  # a LoRA run's checkpoint holds adapters: the base is in workdir/lora_base
+        if config.train.lora_rank:  # a LoRA run's checkpoint holds adapters: the base is in workdir/frozen_base
             params = load_lora_merged(workdir, ckpt, s, config.train, target)
         else:
             params, _, _ = ckpt.restore(s, target)
@@ -566,11 +566,11 @@ def load_for_inference(workdir: str, step: None | int | str = None, overrides: I
     return model, tokenizer, config
 
 
-def load_lora_base(workdir: str, target):
-    """The frozen base params of a LoRA run in `workdir` (workdir/lora_base, checksums verified)."""
-    from causal_lm.train.lora import LORA_BASE_DIR
+def load_frozen_base(workdir: str, target):
+    """The frozen base params of a LoRA run in `workdir` (workdir/frozen_base, checksums verified)."""
+    from causal_lm.train.lora import FROZEN_DIR
 
-    base_dir = os.path.join(workdir, LORA_BASE_DIR)
+    base_dir = os.path.join(workdir, FROZEN_DIR)
     if not os.path.isdir(os.path.join(base_dir, CHECKPOINT_DIR)):
         raise CheckpointError(
             f"{workdir!r} holds LoRA adapters but not their base weights ({os.path.join(base_dir, CHECKPOINT_DIR)} "
@@ -583,11 +583,11 @@ def load_lora_base(workdir: str, target):
         store.close()
 
 
-def save_lora_base(workdir: str, params, meta: dict) -> None:
-    """Write a LoRA run's frozen base params once, as step 0 of workdir/lora_base (with integrity checksums)."""
-    from causal_lm.train.lora import LORA_BASE_DIR
+def save_frozen_base(workdir: str, params, meta: dict) -> None:
+    """Write a LoRA run's frozen base params once, as step 0 of workdir/frozen_base (with integrity checksums)."""
+    from causal_lm.train.lora import FROZEN_DIR
 
-    store = Checkpointer(os.path.join(workdir, LORA_BASE_DIR), keep=1)
+    store = Checkpointer(os.path.join(workdir, FROZEN_DIR), keep=1)
     try:
         store.save(0, params, meta)
     finally:
@@ -598,7 +598,7 @@ def load_lora_merged(workdir: str, ckpt: Checkpointer, step: int, train_config, 
     """Base + adapters of LoRA checkpoint `step`, merged (W + alpha/r * A @ B): the weights the run trained."""
     from causal_lm.train import lora
 
-    base = load_lora_base(workdir, target)
+    base = load_frozen_base(workdir, target)
     abstract = jax.eval_shape(lambda: lora.init_adapters(base, train_config.lora_targets, train_config.lora_rank, 0))
     adapters, _, _ = ckpt.restore(step, abstract)
     return lora.merge(base, adapters, lora.lora_scale(train_config))

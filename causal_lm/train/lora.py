@@ -19,7 +19,7 @@ the optimizer state (moments of A and B only) and the checkpoints (adapters only
 
 In training (`train.lora_rank > 0`) the TrainState's params ARE the adapters: only they get gradients, optimizer
 state and checkpoint space; the frozen base travels in the step's non-donated `rest` (`LoraModel`), and is written
-once to `workdir/lora_base/` (an orbax checkpoint with the same integrity checksums) so a resumed run, `generate`
+once to `workdir/frozen_base/` (an orbax checkpoint with the same integrity checksums) so a resumed run, `generate`
 and `convert --merge-lora` find it.
 """
 
@@ -37,7 +37,7 @@ from causal_lm.config import LORA_TARGETS, ConfigError
 from causal_lm.train.state import MUON_MATRICES
 
 TARGETS = dict(zip(LORA_TARGETS, ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"), strict=True))
-LORA_BASE_DIR = "lora_base"  # workdir/lora_base/checkpoints/0: the frozen base of a LoRA run
+FROZEN_DIR = "frozen_base"  # workdir/frozen_base/checkpoints/0: the frozen base of a LoRA run
 
 
 def parse_targets(spec) -> tuple[str, ...]:
@@ -131,10 +131,20 @@ class LoraGraph:
     scale: float
 
 
+@dataclasses.dataclass(frozen=True)
+class RefGraph:
+    """The graph definition of a full-weight DPO/GRPO run: params train, rest = {'base': reference, 'rest': ...}."""
+
+    graphdef: Any
+
+
 def merge_model(graphdef, params, rest):
-    """nnx.merge for both kinds of run: with a `LoraGraph`, params are the adapters and rest holds the base."""
+    """nnx.merge for every kind of run: with a `LoraGraph`, params are the adapters and rest holds the base; with a
+    `RefGraph` (DPO/GRPO), rest holds the frozen reference beside the model's other state."""
     if isinstance(graphdef, LoraGraph):
         return nnx.merge(graphdef.graphdef, merge(rest["base"], params, graphdef.scale), rest["rest"])
+    if isinstance(graphdef, RefGraph):
+        return nnx.merge(graphdef.graphdef, params, rest["rest"])
     return nnx.merge(graphdef, params, rest)
 
 
