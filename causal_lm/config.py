@@ -988,7 +988,8 @@ def apply_overrides(config: Any, overrides: Iterable[str]) -> Any:
 
 
 def load_config(path: str | None = None, overrides: Iterable[str] = ()) -> Config:
-    """Load `get_config()` from a preset file (default: configs/small.py's shape) and apply overrides."""
+    """Load `get_config()` from a preset file (default: configs/small.py's shape), or a workdir's config.json, and
+    apply overrides."""
     if path is None:
         config = Config()
     else:
@@ -999,6 +1000,14 @@ def load_config(path: str | None = None, overrides: Iterable[str] = ()) -> Confi
                 path = alt
             else:
                 raise ConfigError(f"config file {path!r} not found")
+        if path.endswith(".json"):  # a workdir's config.json (e.g. a converted model's), to fine-tune it
+            import json
+
+            try:
+                with open(path) as f:
+                    return apply_overrides(config_from_dict(json.load(f)), overrides)
+            except (json.JSONDecodeError, TypeError, KeyError) as e:
+                raise ConfigError(f"config file {path!r} is not a causal-lm config.json ({e})") from None
         spec = importlib.util.spec_from_file_location("_causal_lm_preset", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)

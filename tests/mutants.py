@@ -732,4 +732,12 @@ MUTANTS = [
         tests=["tests/test_lora.py::test_only_the_adapters_train_and_a_resume_is_exact"],
         why="train.lora_targets ignored: weights outside the targets are adapted (trained)",
     ),
+    dict(
+        name="dpo-reference-follows-the-policy",
+        file="causal_lm/train/post_tasks.py",
+        old="ref = jax.lax.stop_gradient(sequence_logps(reference_model(graphdef, rest), batch))",
+        new="ref = jax.lax.stop_gradient(sequence_logps(policy_model(graphdef, state.params, rest), batch))",
+        tests=["tests/test_post_loop.py::test_dpo_with_lora_on_a_converted_hf_model_from_the_cli_resumes_exactly"],
+        why="the reference is the current policy, not the frozen start: every margin is 0, DPO learns nothing",
+    ),
 ]
