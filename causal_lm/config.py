@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import json
 import os
 import typing
 from collections.abc import Iterable
@@ -1001,8 +1002,6 @@ def load_config(path: str | None = None, overrides: Iterable[str] = ()) -> Confi
             else:
                 raise ConfigError(f"config file {path!r} not found")
         if path.endswith(".json"):  # a workdir's config.json (e.g. a converted model's), to fine-tune it
-            import json
-
             try:
                 with open(path) as f:
                     return apply_overrides(config_from_dict(json.load(f)), overrides)

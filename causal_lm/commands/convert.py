@@ -11,6 +11,7 @@ works on it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -200,8 +201,6 @@ def convert_to_hf(workdir: str, out_dir: str, *, architecture=None, step=None) -
 
 def merge_lora(lora_workdir: str, workdir: str, *, step=None, force: bool = False) -> dict:
     """Write the merged weights of a LoRA run's checkpoint as an inference checkpoint of a new workdir."""
-    import dataclasses
-
     reader = Checkpointer(lora_workdir, read_only=True)
     try:
         steps = reader.all_steps()

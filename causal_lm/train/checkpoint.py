@@ -49,7 +49,7 @@ from causal_lm.config import Config, ConfigError, apply_overrides, config_from_d
 from causal_lm.data.tokenizer import tokenizer_from_dict
 from causal_lm.model import build_model
 from causal_lm.notes import note
-from causal_lm.train import integrity
+from causal_lm.train import integrity, lora
 from causal_lm.train.state import param_shapes
 
 CHECKPOINT_DIR = "checkpoints"
@@ -567,10 +567,8 @@ def load_for_inference(workdir: str, step: None | int | str = None, overrides: I
 
 
 def load_frozen_base(workdir: str, target):
-    """The frozen base params of a LoRA run in `workdir` (workdir/frozen_base, checksums verified)."""
-    from causal_lm.train.lora import FROZEN_DIR
-
-    base_dir = os.path.join(workdir, FROZEN_DIR)
+    """The frozen params of `workdir` (LoRA's base, DPO/GRPO's reference: workdir/frozen_base, checksums verified)."""
+    base_dir = os.path.join(workdir, lora.FROZEN_DIR)
     if not os.path.isdir(os.path.join(base_dir, CHECKPOINT_DIR)):
         raise CheckpointError(
             f"{workdir!r} holds LoRA adapters but not their base weights ({os.path.join(base_dir, CHECKPOINT_DIR)} "
@@ -584,10 +582,8 @@ def load_frozen_base(workdir: str, target):
 
 
 def save_frozen_base(workdir: str, params, meta: dict) -> None:
-    """Write a LoRA run's frozen base params once, as step 0 of workdir/frozen_base (with integrity checksums)."""
-    from causal_lm.train.lora import FROZEN_DIR
-
-    store = Checkpointer(os.path.join(workdir, FROZEN_DIR), keep=1)
+    """Write a run's frozen params (LoRA's base, DPO/GRPO's reference) once, as step 0 of workdir/frozen_base."""
+    store = Checkpointer(os.path.join(workdir, lora.FROZEN_DIR), keep=1)
     try:
         store.save(0, params, meta)
     finally:
@@ -596,8 +592,6 @@ def save_frozen_base(workdir: str, params, meta: dict) -> None:
 
 def load_lora_merged(workdir: str, ckpt: Checkpointer, step: int, train_config, target):
     """Base + adapters of LoRA checkpoint `step`, merged (W + alpha/r * A @ B): the weights the run trained."""
-    from causal_lm.train import lora
-
     base = load_frozen_base(workdir, target)
     abstract = jax.eval_shape(lambda: lora.init_adapters(base, train_config.lora_targets, train_config.lora_rank, 0))
     adapters, _, _ = ckpt.restore(step, abstract)

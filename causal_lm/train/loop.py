@@ -66,8 +66,7 @@ from causal_lm.train.hooks import (
 from causal_lm.train.lock import WorkdirLock
 from causal_lm.train.lora import FROZEN_DIR, LoraGraph, adapter_count, init_adapters, lora_scale
 from causal_lm.train.metrics import MetricsWriter, peak_flops, train_flops_per_token
-from causal_lm.train.post import build_task_data
-from causal_lm.train.post_tasks import REFERENCE_TASKS, task_step, with_reference
+from causal_lm.train.post_tasks import REFERENCE_TASKS, build_task_data, task_step, with_reference
 from causal_lm.train.profile import PROFILE_DIR
 from causal_lm.train.state import (
     check_optimizer_resume,

@@ -273,9 +273,4 @@ def build_task_data(config, tokenizer=None, **kwargs) -> DataSplits:
     """The data of `config.train.task`: packed text for lm, conversations with the assistant mask for sft."""
     if config.train.task == "sft":
         return build_sft_data(config, tokenizer, **kwargs)
-    if config.train.task in ("dpo", "grpo"):
-        from causal_lm.train import post_tasks
-
-        build = post_tasks.build_dpo_data if config.train.task == "dpo" else post_tasks.build_grpo_data
-        return build(config, tokenizer)
     return build_data(config, tokenizer, **kwargs)

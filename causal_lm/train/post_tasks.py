@@ -33,6 +33,7 @@ from causal_lm.config import ConfigError
 from causal_lm.data.corpus import DataError
 from causal_lm.data.pipeline import DataSplits, is_validation
 from causal_lm.data.tokenizer import tokenizer_from_spec
+from causal_lm.train import post
 from causal_lm.train.dpo import dpo_loss, encode_pairs, read_preferences, sequence_logps
 from causal_lm.train.grpo import (
     GRPOSettings,
@@ -128,6 +129,15 @@ class ProblemIterator:
         if state.get("kind") != "problems":
             raise DataError(f"the saved data-iterator state ({state}) is not a GRPO problem stream")
         self.index = int(state["index"])
+
+
+def build_task_data(config, tokenizer=None, **kwargs) -> DataSplits:
+    """The data of `config.train.task`: lm's packed text, sft's conversations, dpo's pairs, grpo's problems."""
+    if config.train.task == "dpo":
+        return build_dpo_data(config, tokenizer)
+    if config.train.task == "grpo":
+        return build_grpo_data(config, tokenizer)
+    return post.build_task_data(config, tokenizer, **kwargs)
 
 
 def build_dpo_data(config, tokenizer=None) -> DataSplits:
