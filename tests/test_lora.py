@@ -64,6 +64,7 @@ def _leaves(tree):
     }
 
 
+@pytest.mark.slow
 def test_only_the_adapters_train_and_a_resume_is_exact(lora_runs):
     config, straight, resumed, _ = lora_runs
     model, _, run_config = load_for_inference(straight)  # base + adapters, merged
@@ -97,6 +98,7 @@ def test_only_the_adapters_train_and_a_resume_is_exact(lora_runs):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow
 def test_merged_weights_are_w_plus_alpha_over_rank_ab_and_generate_as_the_adapter(lora_runs):
     config, straight, _, root = lora_runs
     out = str(root / "merged")
