@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
+import json
 import os
 import typing
 from collections.abc import Iterable
@@ -34,7 +35,8 @@ MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 WEIGHTS = ("float32", "int8", "int4")  # model.weights (model/quant.py)
 DTYPES = ("float32", "bfloat16", "float16")
 OPTIMIZERS = ("adamw", "muon", "lion", "adafactor")
-TASKS = ("lm", "sft")  # train.task: what the loss trains on (causal_lm/train/post.py)
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")  # train.lora_targets (causal_lm/train/lora.py)
+TASKS = ("lm", "sft", "dpo", "grpo")  # train.task: what the loss trains on (causal_lm/train/post.py)
 OPT_STATE_DTYPES = ("auto", "float32", "bfloat16")
 
 
@@ -749,6 +751,25 @@ class TrainConfig:
     # "lm": next-token training on every token; "sft": chat conversations (JSONL `messages`, or the built-in
     # "synthetic-chat" set), loss on the assistant's tokens only.
     task: str = "lm"
+    # LoRA (causal_lm/train/lora.py): lora_rank > 0 trains low-rank adapters W + (lora_alpha / lora_rank) * A @ B on
+    # the weights lora_targets names (q, k, v, o, gate, up, down), the base frozen; 0 = full training.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_targets: str = "q,k,v,o,gate,up,down"
+    # DPO (train.task=dpo, causal_lm/train/dpo.py): data.corpus = JSONL {prompt, chosen, rejected}; beta.
+    beta: float = 0.1
+    # GRPO (train.task=grpo, causal_lm/train/grpo.py): per step prompts_per_step prompts x group_size samples of up
+    # to max_new_tokens through the engine at rollout_temperature/top_k/top_p, rewarded by `reward`
+    # (module:function), clipped ratio clip_eps, k3 KL to the reference weighted kl_coef (0 = off).
+    group_size: int = 8
+    prompts_per_step: int = 4
+    max_new_tokens: int = 24
+    rollout_temperature: float = 1.0
+    rollout_top_k: int = 0
+    rollout_top_p: float = 1.0
+    clip_eps: float = 0.2
+    kl_coef: float = 0.0
+    reward: str = "causal_lm.train.grpo:arithmetic_and_format_reward"
     # ---- optimizer choice, auxiliary loss, profiling (causal_lm/train/state.py, step.py, profile.py) ----------
     optimizer: str = "adamw"  # "adamw" | "muon" (matrices; AdamW for the rest) | "lion" | "adafactor"
     muon_momentum: float = 0.95  # Muon's Nesterov momentum (its AdamW part uses beta1/beta2)
@@ -799,6 +820,29 @@ class TrainConfig:
         )
         _check(self.peak_flops >= 0, f"train.peak_flops must be >= 0, got {self.peak_flops}")
         _check(self.task in TASKS, f"train.task must be one of {TASKS}, got {self.task!r}")
+        _check(
+            isinstance(self.lora_rank, int) and self.lora_rank >= 0,
+            f"train.lora_rank must be an integer >= 0 (0 = no LoRA), got {self.lora_rank!r}",
+        )
+        _check(self.beta > 0, f"train.beta must be positive, got {self.beta}")
+        for name in ("group_size", "prompts_per_step", "max_new_tokens"):
+            v = getattr(self, name)
+            _check(isinstance(v, int) and v > 0, f"train.{name} must be a positive integer, got {v!r}")
+        _check(self.group_size >= 2 or self.task != "grpo", "train.group_size must be >= 2 (advantages are per group)")
+        _check(self.rollout_temperature >= 0, f"train.rollout_temperature must be >= 0, got {self.rollout_temperature}")
+        _check(self.rollout_top_k >= 0, f"train.rollout_top_k must be >= 0 (0 = off), got {self.rollout_top_k}")
+        _check(0 < self.rollout_top_p <= 1, f"train.rollout_top_p must be in (0, 1], got {self.rollout_top_p}")
+        _check(0 < self.clip_eps < 1, f"train.clip_eps must be in (0, 1), got {self.clip_eps}")
+        _check(self.kl_coef >= 0, f"train.kl_coef must be >= 0 (0 = off), got {self.kl_coef}")
+        _check(":" in self.reward, f"train.reward must be 'module:function', got {self.reward!r}")
+        _check(self.lora_alpha > 0, f"train.lora_alpha must be positive, got {self.lora_alpha}")
+        if self.lora_rank:
+            names = [n.strip() for n in str(self.lora_targets).split(",") if n.strip()]
+            _check(
+                bool(names) and all(n in LORA_TARGETS for n in names),
+                f"train.lora_targets={self.lora_targets!r}: expected a comma-separated subset of "
+                + ",".join(LORA_TARGETS),
+            )
         _check(self.optimizer in OPTIMIZERS, f"train.optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
         _check(0.0 <= self.muon_momentum < 1.0, f"train.muon_momentum must be in [0, 1), got {self.muon_momentum}")
         _check(self.z_loss >= 0, f"train.z_loss must be >= 0 (0 = off), got {self.z_loss}")
@@ -957,7 +1001,8 @@ def apply_overrides(config: Any, overrides: Iterable[str]) -> Any:
 
 
 def load_config(path: str | None = None, overrides: Iterable[str] = ()) -> Config:
-    """Load `get_config()` from a preset file (default: configs/small.py's shape) and apply overrides."""
+    """Load `get_config()` from a preset file (default: configs/small.py's shape), or a workdir's config.json, and
+    apply overrides."""
     if path is None:
         config = Config()
     else:
@@ -968,6 +1013,12 @@ def load_config(path: str | None = None, overrides: Iterable[str] = ()) -> Confi
                 path = alt
             else:
                 raise ConfigError(f"config file {path!r} not found")
+        if path.endswith(".json"):  # a workdir's config.json (e.g. a converted model's), to fine-tune it
+            try:
+                with open(path) as f:
+                    return apply_overrides(config_from_dict(json.load(f)), overrides)
+            except (json.JSONDecodeError, TypeError, KeyError) as e:
+                raise ConfigError(f"config file {path!r} is not a causal-lm config.json ({e})") from None
         spec = importlib.util.spec_from_file_location("_causal_lm_preset", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)

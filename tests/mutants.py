@@ -816,4 +816,28 @@ MUTANTS = [
         tests=["tests/test_quant.py::test_the_compiled_decode_step_reads_the_quantized_bytes"],
         why="decode dequantizes every weight to float before a float matmul: right numbers, 4-8x the bytes read",
     ),
+    dict(
+        name="lora-scale-alpha-not-over-rank",
+        file="causal_lm/train/lora.py",
+        old="return float(train_config.lora_alpha) / float(train_config.lora_rank)",
+        new="return float(train_config.lora_alpha)",
+        tests=["tests/test_lora.py::test_merged_weights_are_w_plus_alpha_over_rank_ab_and_generate_as_the_adapter"],
+        why="the adapters scaled by alpha, not alpha / rank: merged weights and training disagree with LoRA's",
+    ),
+    dict(
+        name="lora-adapts-every-matrix",
+        file="causal_lm/train/lora.py",
+        old='if names and names[-1] in wanted and "mla" not in names:',
+        new='if names and names[-1] in MUON_MATRICES and "mla" not in names:',
+        tests=["tests/test_lora.py::test_only_the_adapters_train_and_a_resume_is_exact"],
+        why="train.lora_targets ignored: weights outside the targets are adapted (trained)",
+    ),
+    dict(
+        name="dpo-reference-follows-the-policy",
+        file="causal_lm/train/post_tasks.py",
+        old="ref = jax.lax.stop_gradient(sequence_logps(reference_model(graphdef, rest), batch))",
+        new="ref = jax.lax.stop_gradient(sequence_logps(policy_model(graphdef, state.params, rest), batch))",
+        tests=["tests/test_post_loop.py::test_dpo_with_lora_on_a_converted_hf_model_from_the_cli_resumes_exactly"],
+        why="the reference is the current policy, not the frozen start: every margin is 0, DPO learns nothing",
+    ),
 ]

@@ -3,6 +3,7 @@
 causal-lm convert --from-hf DIR --workdir OUT     then: causal-lm generate/eval --workdir OUT
 causal-lm convert --from-gguf FILE --workdir OUT  (llama / qwen2 GGUF files, any quantization, dequantized)
 causal-lm convert --to-hf WORKDIR --out DIR       then: transformers' from_pretrained(DIR)
+causal-lm convert --merge-lora WORKDIR --workdir OUT  a LoRA run's base + adapters as one model's weights
 
 The workdir keeps the tokenizer with its settings (BOS handling, stop ids, chat template), so `generate --chat`
 works on it.
@@ -10,6 +11,7 @@ works on it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -44,6 +46,12 @@ def register(sub):
     src.add_argument("--from-hf", metavar="DIR", help="Hugging Face checkpoint folder to read")
     src.add_argument("--from-gguf", metavar="FILE", help="GGUF file to read (llama or qwen2 architecture)")
     src.add_argument("--to-hf", metavar="WORKDIR", help="workdir whose checkpoint to write as a Hugging Face folder")
+    src.add_argument(
+        "--merge-lora",
+        metavar="WORKDIR",
+        help="a LoRA run's workdir (train.lora_rank > 0): write its base with the adapters merged in "
+        "(W + alpha/rank * A @ B) as a plain model in --workdir OUT",
+    )
     p.add_argument("--workdir", help="with --from-hf / --from-gguf: the workdir to create")
     p.add_argument("--out", help="with --to-hf: the folder to write")
     p.add_argument(
@@ -72,7 +80,9 @@ def register(sub):
         help="with --to-hf: the architecture to write (default: the family whose features the model uses, "
         "see causal_lm.interop.hf_config.default_architecture; plain models as llama)",
     )
-    p.add_argument("--step", default=None, help="with --to-hf: checkpoint step, 'latest' (default) or 'best'")
+    p.add_argument(
+        "--step", default=None, help="with --to-hf / --merge-lora: checkpoint step, 'latest' (default) or 'best'"
+    )
     p.add_argument(
         "--force",
         action="store_true",
@@ -214,7 +224,39 @@ def convert_to_hf(workdir: str, out_dir: str, *, architecture=None, step=None) -
     }
 
 
+def merge_lora(lora_workdir: str, workdir: str, *, step=None, force: bool = False) -> dict:
+    """Write the merged weights of a LoRA run's checkpoint as an inference checkpoint of a new workdir."""
+    reader = Checkpointer(lora_workdir, read_only=True)
+    try:
+        steps = reader.all_steps()
+        if not steps:
+            raise CheckpointError(f"no checkpoints in {lora_workdir!r}")
+        saved = reader.read_meta(steps[-1])["config"].get("train", {})
+    finally:
+        reader.close()
+    if not saved.get("lora_rank"):
+        raise CheckpointError(f"{lora_workdir!r} is not a LoRA run (its train.lora_rank is 0): nothing to merge")
+    replace = check_target_workdir(workdir, force)
+    model, tokenizer, config = load_for_inference(lora_workdir, step)  # base + adapters, merged
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, lora_rank=0))
+    if replace:
+        ckpt = Checkpointer(workdir)
+        try:
+            ckpt.move_aside([s for s in replace if s in ckpt.all_steps()])
+        finally:
+            ckpt.close()
+    path = save_for_inference(workdir, model, config, tokenizer)
+    return {"checkpoint": path, "params": model.num_params(), "rank": saved["lora_rank"]}
+
+
 def run(args) -> int:
+    if args.merge_lora:
+        if not args.workdir or args.out:
+            raise ValueError("--merge-lora WORKDIR needs --workdir OUT (and no --out)")
+        r = merge_lora(args.merge_lora, args.workdir, step=parse_step(args.step), force=args.force)
+        print(f"merged the rank-{r['rank']} adapters of {args.merge_lora}: {r['params']:,} parameters")
+        print(f"wrote {r['checkpoint']}")
+        return 0
     source = args.from_hf or args.from_gguf
     if args.quantize is not None and args.quantize not in ("int8", "int4"):
         raise ValueError(f"--quantize must be int8 or int4, got {args.quantize!r}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from causal_lm.commands.common import add_config_args, config_from_args
+from causal_lm.config import TASKS
 from causal_lm.parallel import initialize_distributed, is_main_process
 from causal_lm.train import train_and_evaluate
 
@@ -36,10 +37,19 @@ def register(sub):
         action="store_true",
         help="call jax.distributed.initialize() and let JAX detect the cluster (TPU VM slices)",
     )
+    p.add_argument(
+        "--task",
+        choices=TASKS,
+        default=None,
+        help="what to train: the same as train.task=TASK (lm: next tokens, sft: chat replies, dpo: preference "
+        "pairs, grpo: rewards); see docs/post-training.md",
+    )
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    if args.task is not None:
+        args.overrides = [*args.overrides, f"train.task={args.task}"]
     config = config_from_args(args)
     # Before anything touches a device: connect to the other processes, if there are any.
     initialize_distributed(args.coordinator, args.num_processes, args.process_id, auto=args.distributed)

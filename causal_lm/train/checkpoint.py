@@ -49,7 +49,7 @@ from causal_lm.config import Config, ConfigError, apply_overrides, config_from_d
 from causal_lm.data.tokenizer import tokenizer_from_dict
 from causal_lm.model import build_model
 from causal_lm.notes import note
-from causal_lm.train import integrity
+from causal_lm.train import integrity, lora
 from causal_lm.train.state import param_shapes
 
 CHECKPOINT_DIR = "checkpoints"
@@ -552,7 +552,10 @@ def load_for_inference(workdir: str, step: None | int | str = None, overrides: I
         else:  # an explicit device: a checkpoint saved from a mesh restores only onto a given layout
             shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(jax.local_devices()[0]), target)
         target = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), target, shardings)
-        params, _, _ = ckpt.restore(s, target)
+        if config.train.lora_rank:  # a LoRA run's checkpoint holds adapters: the base is in workdir/frozen_base
+            params = load_lora_merged(workdir, ckpt, s, config.train, target)
+        else:
+            params, _, _ = ckpt.restore(s, target)
         return nnx.merge(graphdef, params, rest), tokenizer, config
 
     ckpt = Checkpointer(workdir, read_only=True)
@@ -561,6 +564,38 @@ def load_for_inference(workdir: str, step: None | int | str = None, overrides: I
     finally:
         ckpt.close()
     return model, tokenizer, config
+
+
+def load_frozen_base(workdir: str, target):
+    """The frozen params of `workdir` (LoRA's base, DPO/GRPO's reference: workdir/frozen_base, checksums verified)."""
+    base_dir = os.path.join(workdir, lora.FROZEN_DIR)
+    if not os.path.isdir(os.path.join(base_dir, CHECKPOINT_DIR)):
+        raise CheckpointError(
+            f"{workdir!r} holds LoRA adapters but not their base weights ({os.path.join(base_dir, CHECKPOINT_DIR)} "
+            "is missing)"
+        )
+    store = Checkpointer(base_dir, read_only=True)
+    try:
+        return store.restore(0, target)[0]
+    finally:
+        store.close()
+
+
+def save_frozen_base(workdir: str, params, meta: dict) -> None:
+    """Write a run's frozen params (LoRA's base, DPO/GRPO's reference) once, as step 0 of workdir/frozen_base."""
+    store = Checkpointer(os.path.join(workdir, lora.FROZEN_DIR), keep=1)
+    try:
+        store.save(0, params, meta)
+    finally:
+        store.close()
+
+
+def load_lora_merged(workdir: str, ckpt: Checkpointer, step: int, train_config, target):
+    """Base + adapters of LoRA checkpoint `step`, merged (W + alpha/r * A @ B): the weights the run trained."""
+    base = load_frozen_base(workdir, target)
+    abstract = jax.eval_shape(lambda: lora.init_adapters(base, train_config.lora_targets, train_config.lora_rank, 0))
+    adapters, _, _ = ckpt.restore(step, abstract)
+    return lora.merge(base, adapters, lora.lora_scale(train_config))
 
 
 def save_for_inference(workdir: str, model, config: Config, tokenizer, step: int = 0) -> str:

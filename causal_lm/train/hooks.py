@@ -39,6 +39,7 @@ from flax import nnx
 from causal_lm.config import Config, config_to_dict
 from causal_lm.train.divergence import DivergenceError, NonFiniteLossError, SpikeMonitor
 from causal_lm.train.evaluate import evaluate_split, sample_text
+from causal_lm.train.lora import merge_model
 from causal_lm.train.profile import StepProfiler
 
 # What a checkpoint holds besides the parameters.
@@ -77,7 +78,7 @@ class StepInfo:
 
     def model(self) -> nnx.Module:
         """The model with this step's parameters."""
-        return nnx.merge(self.run.graphdef, self.state.params, self.run.rest)
+        return merge_model(self.run.graphdef, self.state.params, self.run.rest)
 
     def print(self, text: str) -> None:
         """A line on the run's console (stderr; nothing when train.progress is off or on processes other than 0)."""

@@ -48,6 +48,8 @@ from causal_lm.train.checkpoint import (
     CheckpointError,
     IntegrityError,
     check_model_config,
+    load_frozen_base,
+    save_frozen_base,
     write_workdir_files,
 )
 from causal_lm.train.evaluate import evaluate_split
@@ -62,8 +64,9 @@ from causal_lm.train.hooks import (
     WriteMetrics,
 )
 from causal_lm.train.lock import WorkdirLock
+from causal_lm.train.lora import FROZEN_DIR, LoraGraph, adapter_count, init_adapters, lora_scale
 from causal_lm.train.metrics import MetricsWriter, peak_flops, train_flops_per_token
-from causal_lm.train.post import build_task_data
+from causal_lm.train.post_tasks import REFERENCE_TASKS, build_task_data, task_step, with_reference
 from causal_lm.train.profile import PROFILE_DIR
 from causal_lm.train.state import (
     check_optimizer_resume,
@@ -315,6 +318,8 @@ def _train(
     attention_line = backends.describe(m)  # which attention kernels run, said once at start-up
     mesh = parallel.training_mesh(config.mesh)  # None on one device: the unsharded path
     graphdef, state, rest, start, changed = _restore_or_init(config, workdir, ckpt, data, candidates, mesh)
+    if t.task in REFERENCE_TASKS:  # DPO/GRPO: the frozen reference beside the trained weights
+        graphdef, rest = _with_reference(config, workdir, data, graphdef, state, rest, mesh)
     place_batch = None
     if mesh is not None:
         state = parallel.shard_tree(state, train_state_shardings(m, t, mesh)[0])
@@ -322,9 +327,15 @@ def _train(
     if main:
         write_workdir_files(workdir, config, data.tokenizer)
     console = _Console(t.progress and main, t.steps, start)
-    flops_per_token = train_flops_per_token(m, state.params, t.seq_len)
+    full_params = rest["base"] if t.lora_rank else state.params
+    flops_per_token = train_flops_per_token(m, full_params, t.seq_len)
     _resume_lines(console, workdir, start, notes, changed, requested_vocab, m, data.tokenizer.kind)
-    _banner(console, config, data, mesh, state.params, flops_per_token, attention_line)
+    _banner(console, config, data, mesh, full_params, flops_per_token, attention_line)
+    if t.lora_rank:
+        console.print(
+            f"LoRA: {adapter_count(state.params):,} adapter parameters train (rank {t.lora_rank}, alpha "
+            f"{t.lora_alpha:g}, targets {t.lora_targets}); the base is frozen in {os.path.join(workdir, FROZEN_DIR)}"
+        )
 
     run = Run(config, workdir, graphdef, rest, data, ckpt, console, main, place_batch, callback)
     writer = WriteMetrics(MetricsWriter(workdir, start) if main else _NoWriter())
@@ -337,7 +348,10 @@ def _train(
         SaveCheckpoint(t.checkpoint_every, t.steps),
     ]
     try:
-        step_fn = compiled_train_step(m, t, graphdef, mesh)
+        if t.task in REFERENCE_TASKS:
+            step_fn = task_step(config, graphdef, data.tokenizer, console)
+        else:
+            step_fn = compiled_train_step(m, t, graphdef, mesh)
         state = _step_loop(run, state, start, step_fn, hooks, mesh, flops_per_token)
     finally:
         _close_all([*hooks, console])
@@ -357,7 +371,8 @@ def _restore_or_init(config: Config, workdir: str, ckpt: Checkpointer, data, can
     """(graphdef, state, rest, start step, changed settings): a fresh train state, or the newest intact checkpoint's
     (parameters, optimizer state, RNG, data iterator position), deleting or moving aside the later checkpoints."""
     t, m = config.train, config.model
-    main = parallel.is_main_process()
+    if t.lora_rank:
+        return _restore_or_init_lora(config, workdir, ckpt, data, candidates, mesh)
     optimizer = make_optimizer(t)
     if mesh is None:
         graphdef, params, rest = init_params(m, t.seed)
@@ -372,27 +387,105 @@ def _restore_or_init(config: Config, workdir: str, ckpt: Checkpointer, data, can
         restored, params, train_state, meta = _restore_newest_intact(ckpt, candidates, state, data.tokenizer, workdir)
         if train_state is None:  # an inference-only checkpoint (e.g. a converted model): fine-tune from it
             state = init_train_state(params, optimizer, t.seed)
+        elif meta["config"].get("train", {}).get("task", "lm") != t.task:  # a trained model, a new task
+            state = dataclasses.replace(init_train_state(params, optimizer, t.seed), step=train_state["step"])
+            start = int(state.step)
+            note(
+                f"train.task={t.task} continues {workdir!r} from its {meta['config']['train'].get('task', 'lm')} "
+                f"checkpoint {restored}: its weights, a fresh optimizer, steps {start + 1}..{t.steps}"
+            )
         else:
             state = dataclasses.replace(state, params=params, **train_state)
             start = int(state.step)
             if meta.get("data_state") is not None:
                 data.train.restore(meta["data_state"])  # the next batch is the one step start+1 saw
             changed = _setting_changes(meta["config"], config)
-        later = [s for s in ckpt.all_steps() if s > restored]
-        if later and restored == t.resume_step:
-            if main:
-                which = f"checkpoint{'s' if len(later) > 1 else ''} {', '.join(map(str, later))}"
-                note(
-                    f"discarding {which} of {workdir!r}: train.resume_step={t.resume_step} resumes from checkpoint "
-                    f"{restored}"
-                )
-            ckpt.delete_after(restored)
-        elif later:  # refused as damaged: kept for a person to look at, out of the way of the new saves
-            moved = ckpt.move_aside(later) if main else []
-            if main:
-                note(f"moved the refused checkpoints {', '.join(map(str, later))} to {os.path.dirname(moved[0])}")
-            ckpt.reload()
+        _drop_later(ckpt, restored, t, workdir)
     return graphdef, state, rest, start, changed
+
+
+def _with_reference(config: Config, workdir: str, data, graphdef, state, rest, mesh):
+    """(graphdef, rest) holding DPO/GRPO's frozen reference: with LoRA the base (already in rest); otherwise the
+    weights this task started from, saved once to workdir/frozen_base and read back on every resume."""
+    if config.train.lora_rank:
+        return graphdef, rest
+    if mesh is not None:
+        raise ConfigError(f"train.task={config.train.task} runs on one device for now (no mesh)")
+    if os.path.isdir(os.path.join(workdir, FROZEN_DIR, CHECKPOINT_DIR)):
+        reference = load_frozen_base(workdir, state.params)
+    else:
+        reference = jax.tree.map(lambda x: x.copy(), state.params)  # the step donates state.params
+        if parallel.is_main_process():
+            meta = {"config": config_to_dict(config), "tokenizer": data.tokenizer.to_dict(), "data_state": None}
+            save_frozen_base(workdir, reference, meta)
+    return with_reference(graphdef, rest, reference)
+
+
+def _drop_later(ckpt: Checkpointer, restored: int, t, workdir: str) -> None:
+    """Delete (train.resume_step) or move aside (refused as damaged) the checkpoints after the restored one."""
+    main = parallel.is_main_process()
+    later = [s for s in ckpt.all_steps() if s > restored]
+    if later and restored == t.resume_step:
+        if main:
+            which = f"checkpoint{'s' if len(later) > 1 else ''} {', '.join(map(str, later))}"
+            note(
+                f"discarding {which} of {workdir!r}: train.resume_step={t.resume_step} resumes from checkpoint "
+                f"{restored}"
+            )
+        ckpt.delete_after(restored)
+    elif later:  # refused as damaged: kept for a person to look at, out of the way of the new saves
+        moved = ckpt.move_aside(later) if main else []
+        if main:
+            note(f"moved the refused checkpoints {', '.join(map(str, later))} to {os.path.dirname(moved[0])}")
+        ckpt.reload()
+
+
+def _is_lora_checkpoint(ckpt: Checkpointer, step: int) -> bool:
+    try:
+        return bool(ckpt.read_meta(step)["config"].get("train", {}).get("lora_rank"))
+    except IntegrityError:
+        return True  # damaged: left to the restore, which skips it with a note
+
+
+def _restore_or_init_lora(config: Config, workdir: str, ckpt: Checkpointer, data, candidates, mesh):
+    """`_restore_or_init` of a LoRA run: the state's params are the adapters; the frozen base (a fresh model, or
+    the converted model a workdir holds as an inference-only checkpoint) is saved once to workdir/frozen_base and
+    travels in `rest` beside the model's other state (see causal_lm.train.lora)."""
+    t, m = config.train, config.model
+    if mesh is not None:
+        raise ConfigError("train.lora_rank: LoRA runs on one device for now (no mesh)")
+    graphdef, params, rest = init_params(m, t.seed)
+    lora_steps = [s for s in candidates if _is_lora_checkpoint(ckpt, s)]
+    others = [s for s in candidates if s not in lora_steps]
+    if os.path.isdir(os.path.join(workdir, FROZEN_DIR, CHECKPOINT_DIR)):
+        base = load_frozen_base(workdir, params)
+    elif lora_steps:
+        base = load_frozen_base(workdir, params)  # raises: adapters without their base
+    else:
+        base = params
+        if others:  # a converted model (inference-only checkpoint) to fine-tune: it is the base
+            s = others[0]
+            base, train_state, _ = ckpt.restore(s, params)
+            if train_state is not None or ckpt.read_meta(s).get("has_train_state"):
+                raise ConfigError(
+                    f"train.lora_rank={t.lora_rank}: {workdir!r} holds a full training run (checkpoint {s}); LoRA "
+                    "fine-tunes a fresh model or a converted one: run it in a workdir of its own"
+                )
+        if parallel.is_main_process():
+            meta = {"config": config_to_dict(config), "tokenizer": data.tokenizer.to_dict(), "data_state": None}
+            save_frozen_base(workdir, base, meta)
+    adapters = init_adapters(base, t.lora_targets, t.lora_rank, t.seed)
+    state = init_train_state(adapters, make_optimizer(t), t.seed)
+    start, changed = 0, []
+    if lora_steps:
+        restored, adapters, train_state, meta = _restore_newest_intact(ckpt, lora_steps, state, data.tokenizer, workdir)
+        state = dataclasses.replace(state, params=adapters, **train_state)
+        start = int(state.step)
+        if meta.get("data_state") is not None:
+            data.train.restore(meta["data_state"])
+        changed = _setting_changes(meta["config"], config)
+        _drop_later(ckpt, restored, t, workdir)
+    return LoraGraph(graphdef, lora_scale(t)), state, {"base": base, "rest": rest}, start, changed
 
 
 def _resume_lines(console, workdir, start, notes, changed, requested_vocab, m, tokenizer_kind):
@@ -484,6 +577,10 @@ def _step_loop(run: Run, state, start: int, step_fn, hooks: list[Hook], mesh, fl
         }
         if "z_loss" in host[-1]:  # train.z_loss > 0: the auxiliary term, apart from the cross entropy
             record["z_loss"] = float(np.mean([h["z_loss"] for h in host]))
+        for k in host[-1]:  # a task's own metrics (DPO margins, GRPO rewards): the interval's mean
+            if k not in record and k != "tokens":
+                vals = [h[k] for h in host if k in h]
+                record[k] = float(np.max(vals) if k.endswith("_max") else np.mean(vals))
         if interval_steps:
             tps = interval_steps * tokens_per_step / max(elapsed, 1e-9)
             peak, _ = peak_flops(m.dtype) if not t.peak_flops else (t.peak_flops, "")

@@ -18,10 +18,10 @@ import functools
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 
 from causal_lm import parallel
 from causal_lm.config import ModelConfig, TrainConfig
+from causal_lm.train.lora import merge_model
 from causal_lm.train.state import (
     TrainState,
     hyperparams,
@@ -66,7 +66,7 @@ def loss_and_grads(graphdef, params, rest, batch, microbatches: int = 1, z_loss=
     Both sums are divided by the whole batch's token count, so microbatches weigh by their tokens."""
 
     def sums(p, mb):
-        model = nnx.merge(graphdef, p, rest)
+        model = merge_model(graphdef, p, rest)
         if z_loss is None:
             ce, n = loss_sums(model, mb)
             return ce, (ce, n, jnp.float32(0))
@@ -194,7 +194,7 @@ _compiled_train_step = functools.lru_cache(maxsize=16)(build_train_step)
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
 def _eval_sums(params, rest, batch, *, graphdef):
-    return loss_sums(nnx.merge(graphdef, params, rest), batch)
+    return loss_sums(merge_model(graphdef, params, rest), batch)
 
 
 def eval_sums(graphdef, params, rest, batch):
