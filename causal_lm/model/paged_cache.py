@@ -24,8 +24,9 @@ engine returns a local group's pages wholly outside it (their table entries beco
 
 Which pages a row owns, shares (a prompt prefix) or gives back is decided on the host by the engine
 (causal_lm/serve), in page counts (`pages_for`), one book per group. A page handed to a new owner is named in its
-group's `fresh` when the view is made: its slots' positions are reset to -1 first, so nothing its previous owner wrote is visible. Out-of-range page
-indices are never clamped here: writes to page P are dropped and reads of it return empty slots.
+group's `fresh` when the view is made: its slots' positions are reset to -1 first, so nothing its previous owner
+wrote is visible. Out-of-range page indices are never clamped here: writes to page >= Pg are dropped and reads of it
+return empty slots.
 """
 
 from __future__ import annotations

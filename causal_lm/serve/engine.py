@@ -409,9 +409,7 @@ class Engine:
         sequences of max_seq_len tokens (a local group needs only the window's pages, a global one all of them)."""
         need = self.group_pages_needed(self.config.max_seq_len)
         per_sequence = sum(n * b for n, b in zip(need, self.group_page_bytes, strict=True))
-        return tuple(
-            int(budget * n * b // per_sequence // b) for n, b in zip(need, self.group_page_bytes, strict=True)
-        )
+        return tuple(int(budget * n * b // per_sequence // b) for n, b in zip(need, self.group_page_bytes, strict=True))
 
     def _group_name(self, g: int) -> str:
         if len(self.windows) == 1:
