@@ -6,8 +6,9 @@ storage (of the GQA layout), at each KV budget (default 64 MiB and 256 MiB) and 
     bytes_per_token   one page's bytes (every layer's K/V or latent, scales, slot positions) / page size, from the
                       engine's own page accounting (`page_bytes`)
     fit               how many sequences of that length the pool holds at once: each layer group's pages (the
-                      budget split as `Engine(kv_memory=...)` splits it, `Engine.pages_for_budget`: one group,
-                      budget // page bytes) // the pages one sequence holds at most in that group
+                      budget split for sequences of that length, `Engine.pages_for_budget(budget, length)`, what
+                      `num_pages=` of an engine serving them is; one group: budget // page bytes, as
+                      `Engine(kv_memory=...)` sizes it) // the pages one sequence holds at most in that group
                       (`Engine.group_pages_needed`: every page up to its last token, or, for local layers, the pages
                       of the window and a chunk), the least over the groups. Each group pages independently, so a
                       5:1 local/global model's local layers hold only the window's pages and it fits more sequences
@@ -146,8 +147,8 @@ def run(
         probe = _engine(model, storage, num_pages=1, max_seqs=1, page_size=page_size, chunk=chunk)
         cells = {}
         for budget in budgets:
-            pages = probe.pages_for_budget(parse_bytes(budget))
             for length in lengths:
+                pages = probe.pages_for_budget(parse_bytes(budget), length)  # split for sequences of `length`
                 need = probe.group_pages_needed(length)
                 fit = min(p // n for p, n in zip(pages, need, strict=True))
                 cells[f"{budget}/{length}"] = {"pages": int(sum(pages)), "group_pages": list(pages), "fit": int(fit)}
@@ -240,7 +241,8 @@ def report(results: dict) -> str:
         "Each layout's bytes per token come from the engine's page accounting (`page_bytes` / page size); a budget "
         "holds budget // page bytes pages, and a sequence of L tokens holds at most `Engine.pages_needed(L)` of "
         "them. `fit` = pages // pages per sequence. A model with local and global layers pages each layer group "
-        "independently: the budget is split between the groups (`Engine.pages_for_budget`) and a local group "
+        "independently: the budget is split between the groups for sequences of that length "
+        "(`Engine.pages_for_budget(budget, L)`) and a local group "
         "holds only the window's pages, so `fit` is the least over the groups of group pages // group pages per "
         "sequence. The check column runs the engine on a pool sized for "
         "`expected` sequences (and a page short of one more), offers it two more, and counts the most that decode "

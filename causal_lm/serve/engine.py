@@ -404,10 +404,12 @@ class Engine:
         need = [sum(n) for n in zip(*(self.group_pages_needed(t) for t in token_counts), strict=True)]
         return all(n <= have for n, have in zip(need, self.group_pages, strict=True)) if need else True
 
-    def pages_for_budget(self, budget: int) -> tuple:
+    def pages_for_budget(self, budget: int, tokens: int | None = None) -> tuple:
         """Each layer group's pages in `budget` bytes: split so that every group holds its pages for equally many
-        sequences of max_seq_len tokens (a local group needs only the window's pages, a global one all of them)."""
-        need = self.group_pages_needed(self.config.max_seq_len)
+        sequences of `tokens` tokens (default max_seq_len: how `kv_memory` is split; a local group needs only the
+        window's pages, a global one all of them). An engine for shorter sequences is sized with
+        `num_pages=engine.pages_for_budget(budget, tokens)`."""
+        need = self.group_pages_needed(self.config.max_seq_len if tokens is None else tokens)
         per_sequence = sum(n * b for n, b in zip(need, self.group_page_bytes, strict=True))
         return tuple(int(budget * n * b // per_sequence // b) for n, b in zip(need, self.group_page_bytes, strict=True))
 
