@@ -551,6 +551,14 @@ MUTANTS = [
         why="the page holding the oldest key still inside the window is given back one token too soon",
     ),
     dict(
+        name="engine-loop-clock-stops-at-first-finished",
+        file="causal_lm/serve/loop.py",
+        old="return self.limit if s.done.all() else",
+        new="return self.limit if s.done.any() else",
+        tests=["tests/test_engine.py::test_drive_over_the_engine_streams_generates_greedy_tokens"],
+        why="drive over the engine returns once one request finishes: the others' tokens are cut short",
+    ),
+    dict(
         name="local-group-page-returned-a-page-early",
         file="causal_lm/serve/engine.py",
         old="for j in range(max(0, first_needed) // self.page_size):",

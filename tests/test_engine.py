@@ -18,8 +18,9 @@ from flax import nnx
 from variants import tiny_config, tiny_mla_config, tiny_model
 
 from causal_lm import generate
+from causal_lm.decode.loop import STREAM_EVERY, DecodeLoop, drive
 from causal_lm.decode.sampling import SamplingParams, sample
-from causal_lm.serve import Engine, EngineError
+from causal_lm.serve import Engine, EngineError, EngineLoop
 
 STD = 0.5  # a random model whose greedy tokens vary (at 0.2 the tiny model repeats one token)
 MAX_NEW = 12  # every reference generation: max_tokens of a request is at most this
@@ -216,6 +217,35 @@ def test_exact_under_churn_int8():
     model = tiny_model(CONFIGS["gqa"])
     engine = small_engine(model, num_pages=40, cache_dtype="int8")
     assert_exact_under_churn(model, engine, seed=3, cache_dtype="int8")
+
+
+# ---- the decode loop protocol ------------------------------------------------------------------------------------
+def test_drive_over_the_engine_streams_generates_greedy_tokens():
+    """EngineLoop implements DecodeLoop: drive over it (to the end, or streaming every STREAM_EVERY tokens through
+    on_step) gives each prompt's greedy tokens of generate alone; the stream hands over every column once, in
+    order, -1 for a request that had already stopped, and pauses more than once. Bug class: an engine loop whose
+    clock or state skips, repeats or reorders streamed tokens, or stops before every request is done."""
+    model = tiny_model(CONFIGS["gqa"])
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, V, int(rng.integers(17, 33))).tolist() for _ in range(5)]
+    want = [reference(model, p) for p in prompts]
+    stop = want[2][3]  # request 2 (and any other that emits it) stops early
+    want = [w[: w.index(stop) + 1] if stop in w else w for w in want]
+    engine = small_engine(model)
+    loop: DecodeLoop = EngineLoop(engine, prompts, MAX_NEW, stop=[stop])
+    assert all(callable(getattr(loop, f)) for f in ("start", "step", "resume", "progress"))
+    end = drive(loop)
+    assert [r.tokens for r in loop.results(end)] == want
+    assert loop.progress(end).done.all() and loop.progress(end).clock == MAX_NEW
+    columns, pauses = [], []
+    loop = EngineLoop(engine, prompts, MAX_NEW, stop=[stop])
+    resume = loop.resume
+    loop.resume = lambda s, until: (pauses.append(until), resume(s, until))[1]
+    end = drive(loop, on_step=lambda col, toks: columns.append((col, toks.tolist())))
+    assert [c for c, _ in columns] == list(range(MAX_NEW)) and pauses == [1, 1 + STREAM_EVERY, MAX_NEW]
+    streamed = [[toks[b] for _, toks in columns if toks[b] >= 0] for b in range(len(prompts))]
+    assert streamed == want == [r.tokens for r in loop.results(end)]
+    assert_no_leak(engine)
 
 
 # ---- sampling ---------------------------------------------------------------------------------------------------
