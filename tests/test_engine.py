@@ -203,6 +203,7 @@ def test_mixed_model_pages_its_local_and_global_layers_independently():
     assert stats["preemptions"] == 0 and stats["pages_out_of_window"] > 0
     local_peak, global_peak = (g["pages_peak"] for g in stats["groups"])
     assert local_peak <= 12 and global_peak == 30
+    assert engine.fits([44, 44]) and not engine.fits([44, 44, 44]) and engine.pages_needed(44) == 6 + 15
     for r, rid in zip(requests, ids, strict=True):
         assert engine.result(rid).tokens == expected(model, r)[0]
     assert_no_leak(engine)
