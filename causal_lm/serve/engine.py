@@ -19,6 +19,13 @@ Sampling draws the n-th token of a request with fold_in(key(seed), n): the same 
 `submit_samples(prompt, num_samples=n)` (or a `run` dict with num_samples) is n requests with seeds seed .. seed+n-1
 that share the prompt: the first computes it, the others wait for it, then hold its full pages (refcounted).
 
+Pages per layer group. Each layer group of the model (the layers of one sliding window, or the global layers) has
+its own pages, page table per sequence and PageBook: a page of a group holds only that group's layers. A sequence's
+tables have the same columns in every group; a local group gives back the pages wholly before the window of the
+row's next query (the column stays, with no page), a global group keeps them. Growing, admission, preemption and
+"can never fit" are checked group by group (`group_pages_needed`); a prefix hit needs its pages in every group
+(in a local group only those not before the window of its first computed token).
+
 Scheduler (host, each step):
   1. running sequences, oldest first: each feeds min(uncomputed tokens, budget left, largest token bucket) tokens;
      a sequence that needs a page when none is available (free, or cached and unreferenced) preempts the newest
