@@ -545,10 +545,34 @@ MUTANTS = [
     dict(
         name="window-page-returned-too-early",
         file="causal_lm/serve/engine.py",
-        old="first_needed = seq.computed - self.window + 1",
-        new="first_needed = seq.computed - self.window + 2",
+        old="first_needed = seq.computed - window + 1",
+        new="first_needed = seq.computed - window + 2",
         tests=["tests/test_engine.py::test_window_model_returns_pages_outside_the_window"],
         why="the page holding the oldest key still inside the window is given back one token too soon",
+    ),
+    dict(
+        name="engine-loop-clock-stops-at-first-finished",
+        file="causal_lm/serve/loop.py",
+        old="return self.limit if s.done.all() else",
+        new="return self.limit if s.done.any() else",
+        tests=["tests/test_engine.py::test_drive_over_the_engine_streams_generates_greedy_tokens"],
+        why="drive over the engine returns once one request finishes: the others' tokens are cut short",
+    ),
+    dict(
+        name="local-group-page-returned-a-page-early",
+        file="causal_lm/serve/engine.py",
+        old="for j in range(max(0, first_needed) // self.page_size):",
+        new="for j in range(max(0, first_needed) // self.page_size + 1):",
+        tests=["tests/test_engine.py::test_mixed_model_pages_its_local_and_global_layers_independently"],
+        why="a mixed model's local layer group gives back the page still inside the window (one page too early)",
+    ),
+    dict(
+        name="global-group-returns-pages-like-a-local-one",
+        file="causal_lm/serve/engine.py",
+        old="            if not window:\n                continue\n",
+        new="            window = window or max(self.windows)\n",
+        tests=["tests/test_engine.py::test_mixed_model_pages_its_local_and_global_layers_independently"],
+        why="a mixed model's global layers lose their pages outside the local layers' window",
     ),
     # ---- a cache belongs to its model / finite weights (issue 33) ----
     dict(

@@ -18,8 +18,9 @@ from flax import nnx
 from variants import tiny_config, tiny_mla_config, tiny_model
 
 from causal_lm import generate
+from causal_lm.decode.loop import STREAM_EVERY, DecodeLoop, drive
 from causal_lm.decode.sampling import SamplingParams, sample
-from causal_lm.serve import Engine, EngineError
+from causal_lm.serve import Engine, EngineError, EngineLoop
 
 STD = 0.5  # a random model whose greedy tokens vary (at 0.2 the tiny model repeats one token)
 MAX_NEW = 12  # every reference generation: max_tokens of a request is at most this
@@ -118,6 +119,12 @@ def assert_no_leak(engine):
     assert s["pages_free"] + s["pages_cached"] == s["pages_total"]
 
 
+def held(engine, rid) -> list:
+    """Pages a request holds now, per layer group (its table's columns with a page)."""
+    pages = engine._requests[rid].pages
+    return [sum(p is not None for p in group) for group in pages] if pages else [0] * len(engine.windows)
+
+
 def small_engine(model, **kw):
     args = dict(max_seqs=6, page_size=3, num_pages=120, max_step_tokens=16, batch_buckets=(6,), token_buckets=(8,))
     args.update(kw)
@@ -165,11 +172,45 @@ def test_window_model_returns_pages_outside_the_window():
     ids = [engine.submit(r["prompt"], max_tokens=12) for r in requests]
     while engine.has_work():
         engine.step()
-        assert all(sum(p is not None for p in engine._requests[i].pages) <= 6 for i in ids)
+        assert all(held(engine, i)[0] <= 6 for i in ids)
     for r, rid in zip(requests, ids, strict=True):
         assert engine.result(rid).tokens == expected(model, r)[0]
     assert engine.stats()["pages_out_of_window"] > 0
     assert_no_leak(engine)
+
+
+def test_mixed_model_pages_its_local_and_global_layers_independently():
+    """Mixed local (window 6) / global layers: each layer group has its own pages. Two sequences of 44 tokens
+    (15 pages of 3 each in the global group) run together in a pool of (12 local, 30 global) pages without
+    preemption, since the local group gives back its pages wholly before the window (at most 6 per sequence) while
+    the global group keeps all 15; the tokens are generate's. kv_memory splits the bytes so that both groups hold
+    equally many max_seq_len sequences: the local group gets fewer pages."""
+    model = tiny_model(CONFIGS["mixed"])
+    engine = small_engine(model, num_pages=(12, 30))
+    assert engine.windows == (6, 0) and engine.group_pages == (12, 30)
+    rng = np.random.default_rng(10)
+    requests = [dict(prompt=rng.integers(0, V, 32).tolist(), max_tokens=12, stop=[]) for _ in range(2)]
+    ids = [engine.submit(r["prompt"], max_tokens=12) for r in requests]
+    most = [0, 0]
+    while engine.has_work():
+        engine.step()
+        for i in ids:
+            most = [max(m, h) for m, h in zip(most, held(engine, i), strict=True)]
+    # seen between steps (a sequence's last step, which needs its 15th page, also finishes it): the local group
+    # holds the window's pages, the global group all of them
+    assert most[0] <= 6 and most[1] == 14
+    stats = engine.stats()
+    assert stats["preemptions"] == 0 and stats["pages_out_of_window"] > 0
+    local_peak, global_peak = (g["pages_peak"] for g in stats["groups"])
+    assert local_peak <= 12 and global_peak == 30
+    assert engine.fits([44, 44]) and not engine.fits([44, 44, 44]) and engine.pages_needed(44) == 6 + 15
+    for r, rid in zip(requests, ids, strict=True):
+        assert engine.result(rid).tokens == expected(model, r)[0]
+    assert_no_leak(engine)
+    with pytest.raises(EngineError, match="could never run"):
+        small_engine(model, num_pages=(5, 30)).submit([1] * 32, max_tokens=12)  # 6 local pages needed
+    local, glob = Engine(model, max_seqs=2, page_size=3, kv_memory="64KiB", max_step_tokens=8).group_pages
+    assert local < glob / 2
 
 
 def test_exact_under_churn_int8():
@@ -177,6 +218,35 @@ def test_exact_under_churn_int8():
     model = tiny_model(CONFIGS["gqa"])
     engine = small_engine(model, num_pages=40, cache_dtype="int8")
     assert_exact_under_churn(model, engine, seed=3, cache_dtype="int8")
+
+
+# ---- the decode loop protocol ------------------------------------------------------------------------------------
+def test_drive_over_the_engine_streams_generates_greedy_tokens():
+    """EngineLoop implements DecodeLoop: drive over it (to the end, or streaming every STREAM_EVERY tokens through
+    on_step) gives each prompt's greedy tokens of generate alone; the stream hands over every column once, in
+    order, -1 for a request that had already stopped, and pauses more than once. Bug class: an engine loop whose
+    clock or state skips, repeats or reorders streamed tokens, or stops before every request is done."""
+    model = tiny_model(CONFIGS["gqa"])
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, V, int(rng.integers(17, 33))).tolist() for _ in range(5)]
+    want = [reference(model, p) for p in prompts]
+    stop = want[2][3]  # request 2 (and any other that emits it) stops early
+    want = [w[: w.index(stop) + 1] if stop in w else w for w in want]
+    engine = small_engine(model)
+    loop: DecodeLoop = EngineLoop(engine, prompts, MAX_NEW, stop=[stop])
+    assert all(callable(getattr(loop, f)) for f in ("start", "step", "resume", "progress"))
+    end = drive(loop)
+    assert [r.tokens for r in loop.results(end)] == want
+    assert loop.progress(end).done.all() and loop.progress(end).clock == MAX_NEW
+    columns, pauses = [], []
+    loop = EngineLoop(engine, prompts, MAX_NEW, stop=[stop])
+    resume = loop.resume
+    loop.resume = lambda s, until: (pauses.append(until), resume(s, until))[1]
+    end = drive(loop, on_step=lambda col, toks: columns.append((col, toks.tolist())))
+    assert [c for c, _ in columns] == list(range(MAX_NEW)) and pauses == [1, 1 + STREAM_EVERY, MAX_NEW]
+    streamed = [[toks[b] for _, toks in columns if toks[b] >= 0] for b in range(len(prompts))]
+    assert streamed == want == [r.tokens for r in loop.results(end)]
+    assert_no_leak(engine)
 
 
 # ---- sampling ---------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ TINY = ["model.d_model=32", "model.num_layers=6", "model.max_seq_len=64"]
 def test_fit_counts_are_what_the_engine_admits(tmp_path):
     config = apply_overrides(kv_concurrency.default_config(), TINY)
     out = str(tmp_path)
-    names = ("GQA-2", "local-8", "GQA-2 int8")
+    names = ("GQA-2", "local-8", "5:1 mixed", "GQA-2 int8")
     res = kv_concurrency.run(
         config, out, budgets=("64KiB",), lengths=(25, 48), window=8, page_size=4, chunk=8, max_seqs=4,
         prompt_len=8, new_tokens=4, reps=0, names=names,
@@ -33,7 +33,11 @@ def test_fit_counts_are_what_the_engine_admits(tmp_path):
         assert v["bytes_per_token"] == per_page / 4
         for length in (25, 48):
             cell = v["cells"][f"64KiB/{length}"]
-            assert cell["fit"] == parse_bytes("64KiB") // per_page // v["pages_needed"][str(length)]
+            if name == "5:1 mixed":  # two layer groups: the least over them of group pages // group pages needed
+                need = v["group_pages_needed"][str(length)]
+                assert cell["fit"] == min(p // n for p, n in zip(cell["group_pages"], need, strict=True))
+            else:
+                assert cell["fit"] == parse_bytes("64KiB") // per_page // v["pages_needed"][str(length)]
             assert cell["fit"] >= 1
             check = v["checks"][str(length)]
             if name.startswith("local"):
@@ -44,6 +48,11 @@ def test_fit_counts_are_what_the_engine_admits(tmp_path):
     assert lay["GQA-2 int8"]["bytes_per_token"] < lay["GQA-2"]["bytes_per_token"] / 2
     assert lay["GQA-2"]["cells"]["64KiB/48"]["fit"] < lay["GQA-2"]["cells"]["64KiB/25"]["fit"]
     assert lay["local-8"]["pages_needed"]["48"] < lay["GQA-2"]["pages_needed"]["48"]
+    # 5:1 local/global pages each layer group on its own: its local layers hold the window's pages, so it fits
+    # more sequences than GQA (same heads, every layer global); with one shared page table it fit no more
+    mixed = lay["5:1 mixed"]
+    assert mixed["group_pages_needed"]["48"][0] < mixed["group_pages_needed"]["48"][1]
+    assert mixed["cells"]["64KiB/48"]["fit"] > lay["GQA-2"]["cells"]["64KiB/48"]["fit"]
     for f in ("report.md", "kv_concurrency.png", "results.json"):
         assert os.path.getsize(os.path.join(out, f)) > 0
     with open(os.path.join(out, "results.json")) as f:

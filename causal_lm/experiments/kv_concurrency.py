@@ -5,10 +5,14 @@ storage (of the GQA layout), at each KV budget (default 64 MiB and 256 MiB) and 
 
     bytes_per_token   one page's bytes (every layer's K/V or latent, scales, slot positions) / page size, from the
                       engine's own page accounting (`page_bytes`)
-    fit               how many sequences of that length the pool holds at once: the pool's pages (budget // page
-                      bytes, as `Engine(kv_memory=...)` sizes it) // the pages one sequence holds at most
-                      (`Engine.pages_needed`: every page up to its last token, or, all layers local, the pages of
-                      the window and a chunk)
+    fit               how many sequences of that length the pool holds at once: each layer group's pages (the
+                      budget split for sequences of that length, `Engine.pages_for_budget(budget, length)`, what
+                      `num_pages=` of an engine serving them is; one group: budget // page bytes, as
+                      `Engine(kv_memory=...)` sizes it) // the pages one sequence holds at most in that group
+                      (`Engine.group_pages_needed`: every page up to its last token, or, for local layers, the pages
+                      of the window and a chunk), the least over the groups. Each group pages independently, so a
+                      5:1 local/global model's local layers hold only the window's pages and it fits more sequences
+                      than GQA
     engine_admitted   the check that this arithmetic is the engine's: a pool sized for `check_seqs` such sequences
                       (plus a page less than one more) gets check_seqs + 2 of them at once, and the most that decode
                       at the same time is counted; for global layouts it equals check_seqs, for all-local ones it is at
@@ -73,8 +77,8 @@ def _admitted(model, storage, length, check_seqs, *, page_size, chunk) -> tuple:
     the prompts are read side by side (a chunk each per step), so the sequences the pool holds decode together."""
     rows = check_seqs + 2
     kw = dict(max_seqs=rows, page_size=page_size, chunk=chunk, step_tokens=rows * chunk)
-    need = _engine(model, storage, num_pages=1, **kw).pages_needed(length)
-    engine = _engine(model, storage, num_pages=check_seqs * need + need - 1, **kw)
+    need = _engine(model, storage, num_pages=1, **kw).group_pages_needed(length)
+    engine = _engine(model, storage, num_pages=tuple(check_seqs * n + n - 1 for n in need), **kw)
     prompt_len = min(length - 1, page_size * (pages_for(length - 1, page_size) - 1) + 1)
     rng = np.random.default_rng(0)
     V = model.config.vocab_size
@@ -143,9 +147,11 @@ def run(
         probe = _engine(model, storage, num_pages=1, max_seqs=1, page_size=page_size, chunk=chunk)
         cells = {}
         for budget in budgets:
-            pages = parse_bytes(budget) // per_page
             for length in lengths:
-                cells[f"{budget}/{length}"] = {"pages": int(pages), "fit": int(pages // probe.pages_needed(length))}
+                pages = probe.pages_for_budget(parse_bytes(budget), length)  # split for sequences of `length`
+                need = probe.group_pages_needed(length)
+                fit = min(p // n for p, n in zip(pages, need, strict=True))
+                cells[f"{budget}/{length}"] = {"pages": int(sum(pages)), "group_pages": list(pages), "fit": int(fit)}
         checks = {}
         for length in lengths:
             admitted, pool = _admitted(model, storage, length, check_seqs, page_size=page_size, chunk=chunk)
@@ -165,6 +171,10 @@ def run(
             "storage": storage,
             "bytes_per_token": per_page / page_size,
             "pages_needed": {str(n): probe.pages_needed(n) for n in lengths},
+            "group_pages_needed": {str(n): list(probe.group_pages_needed(n)) for n in lengths},
+            "groups": [
+                dict(window=w, page_bytes=b) for w, b in zip(probe.windows, probe.group_page_bytes, strict=True)
+            ],
             "cells": cells,
             "checks": checks,
             "throughput_rows": rows,
@@ -230,7 +240,11 @@ def report(results: dict) -> str:
         "",
         "Each layout's bytes per token come from the engine's page accounting (`page_bytes` / page size); a budget "
         "holds budget // page bytes pages, and a sequence of L tokens holds at most `Engine.pages_needed(L)` of "
-        "them. `fit` = pages // pages per sequence. The check column runs the engine on a pool sized for "
+        "them. `fit` = pages // pages per sequence. A model with local and global layers pages each layer group "
+        "independently: the budget is split between the groups for sequences of that length "
+        "(`Engine.pages_for_budget(budget, L)`) and a local group "
+        "holds only the window's pages, so `fit` is the least over the groups of group pages // group pages per "
+        "sequence. The check column runs the engine on a pool sized for "
         "`expected` sequences (and a page short of one more), offers it two more, and counts the most that decode "
         "at once. Throughput: the engine's output tokens/s with min(fit, max_seqs) sequences decoding together "
         "(random weights, this machine).",
@@ -257,6 +271,13 @@ def report(results: dict) -> str:
             + ". Fewer bytes per token is more users at the same memory, in proportion for global layouts; "
             "all-local layouts hold a bounded number of pages however long the sequence, so their count stops "
             "depending on the length."
+        )
+    if "5:1 mixed" in lay and "GQA-2" in lay:
+        mixed, gqa = lay["5:1 mixed"]["cells"], lay["GQA-2"]["cells"]
+        lines.append(
+            "5:1 local/global (GQA-2 heads) against GQA-2: "
+            + ", ".join(f"{c.replace('/', ', ')} tokens {mixed[c]['fit']:,} vs {gqa[c]['fit']:,}" for c in cells)
+            + " sequences: its local layers keep only the window's pages."
         )
     ok = all(check_ok(v, _all_local(n)) for n, v in lay.items())
     lines.append(f"The engine admits exactly what the arithmetic says (at least, for all-local layouts): {ok}.")

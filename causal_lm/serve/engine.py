@@ -19,6 +19,13 @@ Sampling draws the n-th token of a request with fold_in(key(seed), n): the same 
 `submit_samples(prompt, num_samples=n)` (or a `run` dict with num_samples) is n requests with seeds seed .. seed+n-1
 that share the prompt: the first computes it, the others wait for it, then hold its full pages (refcounted).
 
+Pages per layer group. Each layer group of the model (the layers of one sliding window, or the global layers) has
+its own pages, page table per sequence and PageBook: a page of a group holds only that group's layers. A sequence's
+tables have the same columns in every group; a local group gives back the pages wholly before the window of the
+row's next query (the column stays, with no page), a global group keeps them. Growing, admission, preemption and
+"can never fit" are checked group by group (`group_pages_needed`); a prefix hit needs its pages in every group
+(in a local group only those not before the window of its first computed token).
+
 Scheduler (host, each step):
   1. running sequences, oldest first: each feeds min(uncomputed tokens, budget left, largest token bucket) tokens;
      a sequence that needs a page when none is available (free, or cached and unreferenced) preempts the newest
@@ -50,7 +57,7 @@ import numpy as np
 from flax import nnx
 
 from causal_lm.decode.sampling import SamplingParams
-from causal_lm.model.paged_cache import PagePool, init_pool, page_bytes, pages_for
+from causal_lm.model.paged_cache import PagePool, init_pool, layer_groups, page_bytes, pages_for
 from causal_lm.serve.pages import PageBook
 
 MAX_LOGPROBS = 20  # top alternatives a request may ask for per generated token
@@ -113,7 +120,7 @@ class _Sequence:
     token_sample_logprobs: list = dataclasses.field(default_factory=list)
     top: list = dataclasses.field(default_factory=list)
     prompt_lp: list = dataclasses.field(default_factory=lambda: [None])
-    pages: list = dataclasses.field(default_factory=list)  # the page table: page j holds positions j*ps ..
+    pages: list = dataclasses.field(default_factory=list)  # per layer group, its page table: page j holds j*ps ..
     computed: int = 0  # tokens whose K/V are in the pages
     keys: list = dataclasses.field(default_factory=list)  # prefix keys of pages 0 .. registered-1
     finish_reason: str | None = None
@@ -128,8 +135,8 @@ class StepBatch:
     tokens: jax.Array  # [B, T] int32
     n_valid: jax.Array  # [B] int32: real tokens of each row (0: a padding row)
     lengths: jax.Array  # [B] int32: tokens already cached
-    table: jax.Array  # [B, NP] int32 page table (num_pages: none)
-    fresh: jax.Array  # [F] int32 pages handed to a new owner since the last step (num_pages: none)
+    table: jax.Array  # [G, B, NP] int32 each layer group's page tables (>= the group's num_pages: none)
+    fresh: jax.Array  # [G, F] int32 pages of each group handed to a new owner since the last step (none: as above)
     targets: jax.Array  # [B, T] int32: the token after each fed token (-1: none), for prompt logprobs
     index: jax.Array  # [B] int32: each row's count of tokens sampled so far (its key's fold_in)
     sampling: SamplingParams
@@ -251,12 +258,6 @@ class Engine:
             )
         if kv_memory is not None and num_pages is not None:
             raise EngineError("give kv_memory or num_pages, not both")
-        per_page = page_bytes(c, self.page_size, cache_dtype)
-        if num_pages is None:
-            num_pages = parse_bytes("1GiB" if kv_memory is None else kv_memory) // per_page
-            if num_pages < 1:
-                raise EngineError(f"kv_memory={kv_memory!r} holds no page of {per_page} bytes")
-        self.num_pages = _positive_int("num_pages", num_pages)
         self.batch_buckets = self._buckets("batch_buckets", batch_buckets, _powers(2, self.max_seqs), keep_limit=True)
         self.token_buckets = self._buckets("token_buckets", token_buckets, _powers(4, self.max_step_tokens))
         self.max_chunk = self.token_buckets[-1]
@@ -271,15 +272,34 @@ class Engine:
             tuple(w for w in _powers(2, self.table_width) if w >= narrowest),
             keep_limit=True,
         )
-        # When every layer is local, a page wholly before the widest window of a row's next query is returned.
-        self.window = max(c.layer_windows) if all(c.layer_windows) else 0
+        # Each layer group (one per window; 0: global) pages independently: its own pages, page tables and book. A
+        # local group returns a row's pages wholly before the window of its next query; a global group keeps them.
+        self._group_layout = layer_groups(c)
+        self.windows = tuple(w for w, _ in self._group_layout)
+        self.group_page_bytes = tuple(
+            page_bytes(c, self.page_size, cache_dtype, layers=len(layers)) for _, layers in self._group_layout
+        )
+        if num_pages is None:
+            counts = self.pages_for_budget(parse_bytes("1GiB" if kv_memory is None else kv_memory))
+            if min(counts) < 1:
+                raise EngineError(
+                    f"kv_memory={kv_memory!r} holds no page of {sum(self.group_page_bytes)} bytes (one per layer group)"
+                )
+        elif isinstance(num_pages, list | tuple):
+            if len(num_pages) != len(self.windows):
+                raise EngineError(f"num_pages needs one count per layer group ({len(self.windows)}), got {num_pages!r}")
+            counts = tuple(_positive_int("num_pages", n) for n in num_pages)
+        else:
+            counts = (_positive_int("num_pages", num_pages),) * len(self.windows)
+        self.group_pages = tuple(int(n) for n in counts)  # pages of each layer group
+        self.num_pages = sum(self.group_pages)
 
         self._graphdef, self._state = nnx.split(model)
         self._layers = model.split_layers()
-        self._pool = init_pool(c, self.num_pages, self.page_size, cache_dtype)
+        self._pool = init_pool(c, self.group_pages, self.page_size, cache_dtype)
         self.cache_dtype = self._pool.storage
-        self._book = PageBook(self.num_pages)
-        self._fresh = []  # pages handed to a new owner since the last step
+        self._books = [PageBook(n) for n in self.group_pages]
+        self._fresh = [[] for _ in self._books]  # pages of each group handed to a new owner since the last step
         self._requests = {}  # rid -> _Sequence
         self._running = []  # admission order, oldest first
         self._waiting = collections.deque()
@@ -325,12 +345,13 @@ class Engine:
                 f"prompt length {len(prompt)} + max_tokens {max_tokens} = {len(prompt) + max_tokens} exceeds "
                 f"model.max_seq_len={c.max_seq_len}"
             )
-        need = self.pages_needed(len(prompt) + max_tokens)
-        if need > self.num_pages:
-            raise EngineError(
-                f"request needs up to {need} pages of {self.page_size} tokens (prompt {len(prompt)} + max_tokens "
-                f"{max_tokens}) but the pool has {self.num_pages}: it could never run"
-            )
+        need = self.group_pages_needed(len(prompt) + max_tokens)
+        for g, (n, have) in enumerate(zip(need, self.group_pages, strict=True)):
+            if n > have:
+                raise EngineError(
+                    f"request needs up to {n} pages of {self.page_size} tokens (prompt {len(prompt)} + max_tokens "
+                    f"{max_tokens}) but the pool has {have}{self._group_name(g)}: it could never run"
+                )
         if isinstance(temperature, bool) or not isinstance(temperature, int | float | np.number):
             raise EngineError(f"temperature must be a number >= 0, got {temperature!r}")
         if not math.isfinite(temperature) or temperature < 0:
@@ -368,14 +389,42 @@ class Engine:
         self._waiting.append(seq)
         return rid
 
-    def pages_needed(self, tokens: int) -> int:
-        """The most pages a sequence of `tokens` tokens (prompt + max_tokens) holds at once: what `submit` checks
-        against the pool, and what a fixed KV budget divided by it says about how many such sequences fit."""
+    def group_pages_needed(self, tokens: int) -> tuple:
+        """The most pages of each layer group a sequence of `tokens` tokens (prompt + max_tokens) holds at once:
+        what `submit` checks against each group's pages, and what a fixed KV budget divided by it says about how
+        many such sequences fit."""
         # the last token's K/V is never written: tokens - 1 at most are cached
         need = pages_for(tokens - 1, self.page_size)
-        if self.window:  # the pages of the window before a step's first query and of its chunk, + a partial one
-            need = min(need, pages_for(self.window - 1 + self.max_chunk, self.page_size) + 1)
-        return need
+        # a local group: the pages of the window before a step's first query and of its chunk, + a partial one
+        return tuple(
+            min(need, pages_for(w - 1 + self.max_chunk, self.page_size) + 1) if w else need for w in self.windows
+        )
+
+    def pages_needed(self, tokens: int) -> int:
+        """`group_pages_needed` summed over the layer groups (one group: its count), to compare with `num_pages`
+        (the sum of every group's pages); a request fits when each group's count fits its own pages."""
+        return sum(self.group_pages_needed(tokens))
+
+    def fits(self, token_counts) -> bool:
+        """Whether sequences of these lengths (prompt + max_tokens each) can hold their pages at once, in every
+        layer group."""
+        need = [sum(n) for n in zip(*(self.group_pages_needed(t) for t in token_counts), strict=True)]
+        return all(n <= have for n, have in zip(need, self.group_pages, strict=True)) if need else True
+
+    def pages_for_budget(self, budget: int, tokens: int | None = None) -> tuple:
+        """Each layer group's pages in `budget` bytes: split so that every group holds its pages for equally many
+        sequences of `tokens` tokens (default max_seq_len: how `kv_memory` is split; a local group needs only the
+        window's pages, a global one all of them). An engine for shorter sequences is sized with
+        `num_pages=engine.pages_for_budget(budget, tokens)`."""
+        need = self.group_pages_needed(self.config.max_seq_len if tokens is None else tokens)
+        per_sequence = sum(n * b for n, b in zip(need, self.group_page_bytes, strict=True))
+        return tuple(int(budget * n * b // per_sequence // b) for n, b in zip(need, self.group_page_bytes, strict=True))
+
+    def _group_name(self, g: int) -> str:
+        if len(self.windows) == 1:
+            return ""
+        w = self.windows[g]
+        return f" for layers {list(self._group_layout[g][1])} ({f'window {w}' if w else 'global'})"
 
     def submit_samples(self, prompt_ids, num_samples: int, seed: int = 0, **kwargs) -> list:
         """`num_samples` requests for one prompt that share its pages; returns their ids. Sample i is the request
@@ -468,15 +517,28 @@ class Engine:
 
     def stats(self) -> dict:
         """Pages held, cached (unreferenced, kept for the prefix cache) and free; requests running and waiting;
-        prefix-cache hits; preemptions; K/V vectors computed (tokens fed, per layer and KV head); programs."""
-        book = self._book
+        prefix-cache hits; preemptions; K/V vectors computed (tokens fed, per layer and KV head); programs. Page
+        counts are summed over the layer groups; "groups" has each group's own (window 0: global)."""
+        books = self._books
+        groups = [
+            {
+                "window": w,
+                "layers": list(layers),
+                "pages_total": book.num_pages,
+                "pages_used": book.held,
+                "pages_peak": self._counts[f"pages_peak_{g}"],
+                "pages_cached": len(book.cached),
+                "pages_free": len(book.free),
+            }
+            for g, ((w, layers), book) in enumerate(zip(self._group_layout, books, strict=True))
+        ]
         return {
             "pages_total": self.num_pages,
-            "pages_used": book.held,
+            "pages_used": sum(b.held for b in books),
             "pages_peak": self._counts["pages_peak"],
             "decoding_peak": self._counts["decoding_peak"],
-            "pages_cached": len(book.cached),
-            "pages_free": len(book.free),
+            "pages_cached": sum(len(b.cached) for b in books),
+            "pages_free": sum(len(b.free) for b in books),
             "running": len(self._running),
             "waiting": len(self._waiting),
             "prefix_hit_pages": self._counts["prefix_hit_pages"],
@@ -488,18 +550,21 @@ class Engine:
             "programs_compiled": self._counts["traces"],
             "program_shapes": sorted(self._shapes),
             "table_widths": sorted(self._widths),
+            "groups": groups,
         }
 
     def refcounts(self) -> np.ndarray:
-        """Each page's holder count (a copy)."""
-        return self._book.refcount.copy()
+        """Each page's holder count (a copy), the layer groups' pages one after another."""
+        return np.concatenate([b.refcount for b in self._books])
 
     # ---- one step ------------------------------------------------------------------------------------------
     def step(self) -> list:
         """Run one engine step; returns its events (new tokens, finished and cancelled requests)."""
         events, self._events = self._events, []
         rows = self._schedule()
-        self._counts["pages_peak"] = max(self._counts["pages_peak"], self._book.held)
+        self._counts["pages_peak"] = max(self._counts["pages_peak"], sum(b.held for b in self._books))
+        for g, book in enumerate(self._books):
+            self._counts[f"pages_peak_{g}"] = max(self._counts[f"pages_peak_{g}"], book.held)
         decoding = sum(len(seq.tokens) - seq.computed <= 1 for seq, _ in rows)
         self._counts["decoding_peak"] = max(self._counts["decoding_peak"], decoding)
         if not rows:
@@ -509,11 +574,11 @@ class Engine:
         # Decoding rows and prompt chunks run as separate calls: padded to one [rows, tokens] program, every
         # decoding row would cost as much as the longest chunk.
         calls = [g for g in ([r for r in rows if r[1] == 1], [r for r in rows if r[1] > 1]) if g]
-        fresh, self._fresh = self._fresh, []
+        fresh, self._fresh = self._fresh, [[] for _ in self._books]
         outputs = []
         before = _traces
         for i, group in enumerate(calls):
-            batch, shape, all_logits = self._batch(group, fresh if i == 0 else [])
+            batch, shape, all_logits = self._batch(group, fresh if i == 0 else [[] for _ in fresh])
             self._shapes.add(shape)
             self._pool, out = _step_program(
                 self._state, self._layers, self._pool, batch, graphdef=self._graphdef, all_logits=all_logits
@@ -545,23 +610,23 @@ class Engine:
             seq = next((s for s in self._waiting if not self._waits_for_leader(s)), None)
             if seq is None:
                 break
-            keys, hits = self._prefix_hits(seq)
-            start = len(hits) * self.page_size
+            keys, hits = self._prefix_hits(seq)  # hits: per group, a page (None: not needed) per hit column
+            start = len(keys) * self.page_size
             n = min(len(seq.tokens) - start, budget, self.max_chunk)
-            new_pages = pages_for(start + n, self.page_size) - len(hits)
-            if self.window:  # hit pages wholly before the window of its first query are not held at all
-                outside = max(0, start - self.window + 1) // self.page_size
-                hits = [None] * outside + hits[outside:]
-            unreferenced_hits = sum(1 for p in hits if p is not None and self._book.refcount[p] == 0)
-            if new_pages > self._book.available - unreferenced_hits:
+            new_pages = pages_for(start + n, self.page_size) - len(keys)
+            if any(
+                new_pages > book.available - sum(1 for p in h if p is not None and book.refcount[p] == 0)
+                for book, h in zip(self._books, hits, strict=True)
+            ):
                 break
             self._waiting.remove(seq)
-            for p in hits:
-                if p is not None:
-                    self._book.hold(p)
-            seq.pages, seq.keys, seq.computed = list(hits), list(keys), start
+            for book, h in zip(self._books, hits, strict=True):
+                for p in h:
+                    if p is not None:
+                        book.hold(p)
+            seq.pages, seq.keys, seq.computed = [list(h) for h in hits], list(keys), start
             self._allocate(seq, new_pages)
-            self._counts["prefix_hit_pages"] += len(hits)
+            self._counts["prefix_hit_pages"] += len(keys)
             self._counts["prefix_hit_tokens"] += start
             self._running.append(seq)
             rows.append((seq, n))
@@ -575,25 +640,33 @@ class Engine:
         return lead is not None and lead.finish_reason is None and lead.computed < len(lead.prompt)
 
     def _prefix_hits(self, seq) -> tuple:
-        """(keys, pages) of the sequence's leading full pages found in the prefix cache; never the page of its last
-        token, whose logits must be computed (and requests asking for prompt logprobs compute every token)."""
+        """(keys, pages per layer group) of the sequence's leading full pages found in the prefix cache; never the
+        page of its last token, whose logits must be computed (and requests asking for prompt logprobs compute
+        every token). m pages are a hit when every global group has all m and every local group has those of them
+        not wholly before the window of the first query after them (the others are not held at all: None)."""
+        G = len(self._books)
         if (not self.prefix_cache and seq.leader is None) or seq.want_prompt_logprobs:
-            return [], []
-        ps, keys, pages, key = self.page_size, [], [], b""
+            return [], [[] for _ in range(G)]
+        ps, keys, found, key = self.page_size, [], [[] for _ in range(G)], b""
         for j in range((len(seq.tokens) - 1) // ps):
             key = PageBook.chain(key, seq.tokens[j * ps : (j + 1) * ps])
-            page = self._book.lookup(key)
-            if page is None:
+            pages = [book.lookup(key) for book in self._books]
+            if all(p is None for p in pages):
                 break
             keys.append(key)
-            pages.append(page)
-        return keys, pages
+            for g, p in enumerate(pages):
+                found[g].append(p)
+        for m in range(len(keys), -1, -1):  # the longest prefix every group can hold
+            outside = [max(0, m * ps - w + 1) // ps if w else 0 for w in self.windows]
+            if all(p is not None for g in range(G) for p in found[g][outside[g] : m]):
+                return keys[:m], [[None] * outside[g] + found[g][outside[g] : m] for g in range(G)]
+        raise AssertionError("unreachable: m = 0 always holds")
 
     def _grow(self, seq, tokens: int, scheduled) -> bool:
         """Give `seq` the pages for `tokens` tokens, preempting the newest running sequence not yet scheduled in
         this step while none are available. False if `seq` itself was preempted."""
-        need = pages_for(tokens, self.page_size) - len(seq.pages)
-        while need > self._book.available:
+        need = pages_for(tokens, self.page_size) - len(seq.pages[0])  # every group's table has the same columns
+        while any(need > book.available for book in self._books):
             victim = next(s for s in reversed(self._running) if s not in scheduled)
             self._preempt(victim)
             if victim is seq:
@@ -602,28 +675,34 @@ class Engine:
         return True
 
     def _return_out_of_window(self, seq) -> None:
-        """Give back the pages wholly before the window of the row's next query (all layers local): their slots
-        are masked for every query to come. The table keeps the column (no page: its slots read as empty)."""
-        if not self.window:
-            return
-        first_needed = seq.computed - self.window + 1  # the oldest position the next query sees
-        for j in range(max(0, first_needed) // self.page_size):
-            if seq.pages[j] is not None:
-                self._book.release(seq.pages[j])
-                seq.pages[j] = None
-                self._counts["pages_out_of_window"] += 1
+        """Give back each local group's pages wholly before the window of the row's next query: their slots are
+        masked for every query to come (a global group keeps its pages). The table keeps the column (no page: its
+        slots read as empty)."""
+        for g, window in enumerate(self.windows):
+            if not window:
+                continue
+            pages = seq.pages[g]
+            first_needed = seq.computed - window + 1  # the oldest position the next query sees
+            for j in range(max(0, first_needed) // self.page_size):
+                if pages[j] is not None:
+                    self._books[g].release(pages[j])
+                    pages[j] = None
+                    self._counts["pages_out_of_window"] += 1
 
     def _allocate(self, seq, n: int) -> None:
-        for _ in range(n):
-            page = self._book.allocate()
-            seq.pages.append(page)
-            self._fresh.append(page)
+        """n more columns in the row's page table: a new page in each layer group."""
+        for book, pages, fresh in zip(self._books, seq.pages, self._fresh, strict=True):
+            for _ in range(n):
+                page = book.allocate()
+                pages.append(page)
+                fresh.append(page)
 
     def _release(self, seq) -> None:
-        for page in seq.pages:
-            if page is not None:
-                self._book.release(page)
-        seq.pages, seq.keys, seq.computed = [], [], 0
+        for book, pages in zip(self._books, seq.pages, strict=False):  # [] when it never ran
+            for page in pages:
+                if page is not None:
+                    book.release(page)
+        seq.pages, seq.keys, seq.computed = [[] for _ in self._books], [], 0
 
     def _preempt(self, seq) -> None:
         """Free a running sequence's pages; it waits at the front of the queue and recomputes later (its emitted
@@ -647,14 +726,15 @@ class Engine:
         last step (their slots are emptied before this call writes or reads)."""
         B = next(b for b in self.batch_buckets if b >= len(rows))
         T = next(t for t in self.token_buckets if t >= max(n for _, n in rows))
-        NP = next(w for w in self.width_buckets if w >= max(len(seq.pages) for seq, _ in rows))
+        NP = next(w for w in self.width_buckets if w >= max(len(seq.pages[0]) for seq, _ in rows))
         self._widths.add(NP)
-        P = self.num_pages
+        G = len(self._books)
+        none = np.asarray(self.group_pages, np.int32)  # each group's "no page"
         tokens = np.zeros((B, T), np.int32)
         targets = np.full((B, T), -1, np.int32)
         n_valid = np.zeros(B, np.int32)
         lengths = np.zeros(B, np.int32)
-        table = np.full((B, NP), P, np.int32)
+        table = np.broadcast_to(none[:, None, None], (G, B, NP)).copy()
         index = np.zeros(B, np.int32)
         for b, (seq, n) in enumerate(rows):
             fed = seq.tokens[seq.computed : seq.computed + n]
@@ -662,13 +742,15 @@ class Engine:
             nxt = seq.tokens[seq.computed + 1 : seq.computed + n + 1]
             targets[b, : len(nxt)] = nxt
             n_valid[b], lengths[b] = n, seq.computed
-            table[b, : len(seq.pages)] = [P if p is None else p for p in seq.pages]
+            for g, pages in enumerate(seq.pages):
+                table[g, b, : len(pages)] = [none[g] if p is None else p for p in pages]
             index[b] = len(seq.generated)
         F = self.max_seqs * (pages_for(self.max_chunk, self.page_size) + 1)  # the most pages one step hands out
-        if len(fresh) > F:
-            raise RuntimeError(f"{len(fresh)} pages handed out in one step, more than {F}")
-        fresh_ids = np.full(F, P, np.int32)
-        fresh_ids[: len(fresh)] = fresh
+        fresh_ids = np.broadcast_to(none[:, None], (G, F)).copy()
+        for g, pages in enumerate(fresh):
+            if len(pages) > F:
+                raise RuntimeError(f"{len(pages)} pages handed out in one step, more than {F}")
+            fresh_ids[g, : len(pages)] = pages
         pad = B - len(rows)
         seqs = [s for s, _ in rows]
         sampling = SamplingParams.make(
@@ -696,8 +778,9 @@ class Engine:
         while (len(seq.keys) + 1) * ps <= seq.computed:
             j = len(seq.keys)
             key = PageBook.chain(seq.keys[-1] if seq.keys else b"", seq.tokens[j * ps : (j + 1) * ps])
-            if seq.pages[j] is not None:
-                self._book.register(seq.pages[j], key)
+            for book, pages in zip(self._books, seq.pages, strict=True):
+                if pages[j] is not None:
+                    book.register(pages[j], key)
             seq.keys.append(key)
         if seq.computed < len(seq.tokens):
             return []  # still reading its prompt (or replaying after preemption)
