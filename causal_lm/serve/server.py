@@ -359,7 +359,7 @@ def _check_lengths(prompts, max_tokens: int, sampling: _Sampling, state: _State)
                 "max_tokens",
             )
     need = sum(engine.pages_needed(len(ids) + run) for ids in prompts) * sampling.n
-    if need > engine.num_pages:
+    if not engine.fits([len(ids) + run for ids in prompts] * sampling.n):  # every layer group's pages at once
         raise APIError(
             400,
             f"n={sampling.n} choices of {len(prompts)} prompt(s) need up to {need} KV-cache pages of "
