@@ -682,7 +682,7 @@ MUTANTS = [
     dict(
         name="engine-tables-always-full-width",
         file="causal_lm/serve/engine.py",
-        old="NP = next(w for w in self.width_buckets if w >= max(len(seq.pages) for seq, _ in rows))",
+        old="NP = next(w for w in self.width_buckets if w >= max(len(seq.pages[0]) for seq, _ in rows))",
         new="NP = self.width_buckets[-1]",
         tests=["tests/test_engine.py::test_page_tables_are_as_wide_as_the_rows_need"],
         why="every step gathers and attends over max_seq_len slots per row, whatever the rows hold",
