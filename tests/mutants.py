@@ -326,8 +326,8 @@ MUTANTS = [
     dict(
         name="resume-skips-data-state",
         file="causal_lm/train/loop.py",
-        old='if meta.get("data_state") is not None:',
-        new="if False:",
+        old='if meta.get("data_state") is not None:\n                data.train.restore(meta["data_state"])  # the next batch',
+        new='if False:\n                data.train.restore(meta["data_state"])  # the next batch',
         tests=[K + "test_a_resumed_run_ends_bitwise_where_the_straight_run_did"],
         why="a resumed run reads its data from the first batch again",
     ),
@@ -501,8 +501,8 @@ MUTANTS = [
     dict(
         name="reused-page-keeps-old-positions",
         file="causal_lm/model/paged_cache.py",
-        old='positions = self.positions.at[fresh].set(-1, mode="drop")',
-        new="positions = self.positions",
+        old='dataclasses.replace(g, positions=g.positions.at[fresh[i]].set(-1, mode="drop"))',
+        new="dataclasses.replace(g, positions=g.positions)",
         tests=["tests/test_engine.py::test_exact_under_churn_page_sizes[3]"],
         why="a page handed to a new sequence keeps its previous owner's slot positions: the mask shows the new "
         "owner keys it never wrote",
@@ -528,7 +528,7 @@ MUTANTS = [
     dict(
         name="int8-pages-read-without-scale",
         file="causal_lm/model/paged_cache.py",
-        old='stored = stored.astype(jnp.float32) * self._gather(arrays[n + "_scale"][i], fill=0)[..., None]',
+        old='stored = stored.astype(jnp.float32) * self._gather(g, arrays[n + "_scale"][i], fill=0)[..., None]',
         new="stored = stored.astype(jnp.float32)",
         tests=["tests/test_engine.py::test_exact_under_churn_int8"],
         why="int8 pages read back without their per-token scales",
@@ -792,8 +792,8 @@ MUTANTS = [
     dict(
         name="server-n-beyond-memory-accepted",
         file="causal_lm/serve/server.py",
-        old="if need > engine.num_pages:",
-        new="if need > 100 * engine.num_pages:",
+        old="if not engine.fits([len(ids) + run for ids in prompts] * sampling.n):",
+        new="if False:",
         tests=[
             "tests/test_server.py::test_bad_input_gets_its_error_and_the_server_keeps_serving[n-too-large-for-memory]"
         ],
