@@ -326,7 +326,8 @@ MUTANTS = [
     dict(
         name="resume-skips-data-state",
         file="causal_lm/train/loop.py",
-        old='if meta.get("data_state") is not None:\n                data.train.restore(meta["data_state"])  # the next batch',
+        old='if meta.get("data_state") is not None:\n'
+        '                data.train.restore(meta["data_state"])  # the next batch',
         new='if False:\n                data.train.restore(meta["data_state"])  # the next batch',
         tests=[K + "test_a_resumed_run_ends_bitwise_where_the_straight_run_did"],
         why="a resumed run reads its data from the first batch again",
