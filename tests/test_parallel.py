@@ -33,7 +33,9 @@ from causal_lm.parallel import MeshError
 from causal_lm.train.state import make_optimizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+FAST_COMPILE = (  # as tests/conftest.py
+    "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false --xla_cpu_parallel_codegen_split_count=1"
+)
 MESHES = [(8, 1, 1), (4, 2, 1), (2, 2, 2), (1, 8, 1)]
 ATOL = 1e-5
 

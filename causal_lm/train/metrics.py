@@ -117,6 +117,27 @@ def peak_flops(dtype: str = "float32") -> tuple[float, str]:
 # ---- metrics files -----------------------------------------------------------------------------------------
 
 
+def _summary_writer_class():
+    """tensorboardX's SummaryWriter, imported without torch.
+
+    tensorboardX's writer module imports torch when it is installed (only to accept torch tensors as values), which
+    adds 3-5 s to the start of every training process on a machine with the `interop` extra. We log Python floats
+    and strings, so torch is hidden for the duration of that one import; a torch imported before (or after) is
+    untouched."""
+    import sys
+
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` raises ImportError, which tensorboardX handles
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 class MetricsWriter:
     """One JSON object per logged step in `workdir/metrics.jsonl`, and TensorBoard scalars in `workdir/tb`.
 
@@ -170,8 +191,7 @@ class MetricsWriter:
         self._f.write(json.dumps(record) + "\n")
         self._f.flush()
         if self._tb is None and self._tb_args is not None:
-            from tensorboardX import SummaryWriter
-
+            SummaryWriter = _summary_writer_class()
             logdir, purge_step = self._tb_args
             self._tb = SummaryWriter(logdir, purge_step=purge_step)
         if self._tb is not None:
