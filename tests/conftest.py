@@ -42,6 +42,10 @@ if "CAUSAL_LM_COMPILATION_CACHE" not in os.environ:
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+if os.environ.get("CAUSAL_LM_TEST_INPROC_CACHE"):
+    jax.config.update("jax_compilation_cache_dir", os.environ["CAUSAL_LM_COMPILATION_CACHE"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(os.environ["CAUSAL_LM_TEST_INPROC_CACHE"]))
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 import gc  # noqa: E402
 
