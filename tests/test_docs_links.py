@@ -80,3 +80,25 @@ def test_the_link_checker_reads_links_anchors_and_skips_code(tmp_path):
     )
     assert _links(str(page)) == ["b.md#x-y", "f/i.png"]
     assert _anchors(str(page)) == {"a-title-with-punctuation"}
+
+
+def test_the_docs_runner_reports_what_fails(tmp_path):
+    """The one-process runner of a docs group (doc_runner.py) must not turn a failing command into a pass: a snippet
+    that raises is status 1 with its traceback, sys.exit(N) is N, a `causal-lm` usage error is 2 and names the
+    problem, and the process keeps serving the next command with its output captured."""
+    from doc_commands import Runner
+
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    runner = Runner(str(tmp_path), env)
+    try:
+        failed = runner.run({"kind": "python", "code": "raise ValueError('boom')", "cwd": str(tmp_path)}, ["python"])
+        assert failed.returncode == 1 and "ValueError: boom" in failed.stderr
+        assert (
+            runner.run({"kind": "python", "code": "import sys; sys.exit(3)", "cwd": str(tmp_path)}, []).returncode == 3
+        )
+        bad = runner.run({"kind": "cli", "argv": ["train", "--workdir", "w", "--no-such-flag"], "cwd": str(tmp_path)}, ["causal-lm"])
+        assert bad.returncode == 2 and "--no-such-flag" in bad.stderr
+        ok = runner.run({"kind": "python", "code": "import os; print(os.getcwd())", "cwd": str(tmp_path)}, [])
+        assert ok.returncode == 0 and ok.stdout.strip() == str(tmp_path)
+    finally:
+        runner.close()
