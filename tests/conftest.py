@@ -42,10 +42,14 @@ if "CAUSAL_LM_COMPILATION_CACHE" not in os.environ:
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
-if os.environ.get("CAUSAL_LM_TEST_INPROC_CACHE"):
-    jax.config.update("jax_compilation_cache_dir", os.environ["CAUSAL_LM_COMPILATION_CACHE"])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(os.environ["CAUSAL_LM_TEST_INPROC_CACHE"]))
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+# The test processes use that cache too, from their first compile, as `causal-lm` would: a program compiled by one
+# test module, by the other worker or by a `causal-lm` subprocess (a killed training child, say) is loaded, not
+# compiled again, after the module's compiled programs are released (below). Without this the cache came on in a
+# worker at its first in-process `causal-lm` call, so what a test compiled depended on which tests ran before it.
+from causal_lm import compile_cache  # noqa: E402
+
+compile_cache.enable()  # CAUSAL_LM_COMPILATION_CACHE=off turns it off here too
 
 import gc  # noqa: E402
 

@@ -96,7 +96,8 @@ def test_the_docs_runner_reports_what_fails(tmp_path):
         assert (
             runner.run({"kind": "python", "code": "import sys; sys.exit(3)", "cwd": str(tmp_path)}, []).returncode == 3
         )
-        bad = runner.run({"kind": "cli", "argv": ["train", "--workdir", "w", "--no-such-flag"], "cwd": str(tmp_path)}, ["causal-lm"])
+        argv = ["train", "--workdir", "w", "--no-such-flag"]
+        bad = runner.run({"kind": "cli", "argv": argv, "cwd": str(tmp_path)}, ["causal-lm"])
         assert bad.returncode == 2 and "--no-such-flag" in bad.stderr
         ok = runner.run({"kind": "python", "code": "import os; print(os.getcwd())", "cwd": str(tmp_path)}, [])
         assert ok.returncode == 0 and ok.stdout.strip() == str(tmp_path)

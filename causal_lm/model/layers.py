@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,9 +32,15 @@ def project(x, w, n_in: int = 1, preferred_element_type=None):
     return y.reshape(lead + out_shape)
 
 
+@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
+def _scaled_normal(key, std, shape, dtype):
+    return jax.random.normal(key, shape, jnp.float32).astype(dtype) * jnp.asarray(std, dtype)
+
+
 def normal_param(rngs: nnx.Rngs, shape, std, dtype) -> nnx.Param:
-    """A parameter drawn from N(0, std^2) in float32, then cast to `dtype`."""
-    return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype) * jnp.asarray(std, dtype))
+    """A parameter drawn from N(0, std^2) in float32, then cast to `dtype`. One compiled program per shape, whether
+    the model is built eagerly or inside a jitted (e.g. sharded) initialisation, so both draw the same bits."""
+    return nnx.Param(_scaled_normal(rngs.params(), std, tuple(shape), jnp.dtype(dtype)))
 
 
 def rms_norm(x, scale, eps, plus_one: bool = False):

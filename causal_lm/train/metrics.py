@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 import time
 
 import jax
@@ -124,8 +125,6 @@ def _summary_writer_class():
     adds 3-5 s to the start of every training process on a machine with the `interop` extra. We log Python floats
     and strings, so torch is hidden for the duration of that one import; a torch imported before (or after) is
     untouched."""
-    import sys
-
     if "tensorboardX" in sys.modules or "torch" in sys.modules:
         from tensorboardX import SummaryWriter
 
