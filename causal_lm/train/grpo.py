@@ -98,8 +98,8 @@ class GRPOSettings:
 def token_logprobs(model, tokens, targets, segment_ids, temperature, top_k, top_p):
     """[B, T] log-probabilities of `targets` under the distribution the sampler draws from, from one forward pass
     over `tokens` (the trainer's side of the parity with the engine's `sample_logprobs`)."""
-    logits, _ = model(tokens, segment_ids=segment_ids)
-    return sampled_logprobs(logits.astype(jnp.float32), targets, temperature, top_k, top_p)
+    logits = model.forward(tokens, segment_ids=segment_ids, batch_invariant=True).logits
+    return sampled_logprobs(logits.astype(jnp.float32), targets, temperature, top_k, top_p, invariant=True)
 
 
 def grpo_loss(new_logp, old_logp, advantages, weights, clip_eps, ref_logp=None, kl_coef=0.0):
@@ -127,7 +127,7 @@ def grpo_loss(new_logp, old_logp, advantages, weights, clip_eps, ref_logp=None, 
 
 def rollout(model, tokenizer, problems, s: GRPOSettings, seed: int, engine_kwargs=None):
     """G samples per (question, answer) through the engine: a list (per prompt) of lists of RequestResults."""
-    engine = Engine(model, **(engine_kwargs or {}))
+    engine = Engine(model, **{"batch_invariant": True, **(engine_kwargs or {})})
     stop = end_of_turn_ids(tokenizer)
     groups = []
     for i, (q, _) in enumerate(problems):
