@@ -198,6 +198,69 @@ def test_sampler_logprobs_equal_the_trainers(rl_model, rollouts, name):
         assert all(s > lp for s, lp in zip(res.sample_logprobs, res.logprobs, strict=True))
 
 
+def test_invariant_attention_is_the_reference_and_ignores_the_calls_shapes():
+    """The batch-invariant kernel computes attention (the reference's result, with sink logits and softcapping too),
+    and a query's output has the same bits alone over a wider, zero-padded key view (a decode step over a paged
+    cache) as among all queries of the sequence (the trainer's pass): the property the parity rests on."""
+    from causal_lm.model.kernels import invariant_attention, reference_attention
+    from causal_lm.model.mask import AttentionMask
+
+    rng = np.random.default_rng(0)
+    T, S = 20, 150  # 150 slots: two 128-key chunks, the second one all empty for every query
+    q, k, v = (jnp.asarray(rng.normal(size=(2, T, 4, 8)), jnp.float32) for _ in range(3))
+    k, v = k[:, :, :2], v[:, :, :2]  # GQA: 2 KV heads
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (2, T, T))
+    sink = jnp.asarray([0.5, -1.0, 0.0, 2.0], jnp.float32)
+    run = jax.jit(
+        lambda q, k, v, vis, sink=None, cap=None: invariant_attention(
+            q, k, v, AttentionMask(vis), scale=0.3, sink=sink, softcap=cap
+        ),
+        static_argnums=5,
+    )
+    for s, cap in ((None, None), (sink, 1.5)):
+        want = reference_attention(q, k, v, AttentionMask(causal), scale=0.3, sink=s, softcap=cap)[0]
+        np.testing.assert_allclose(run(q, k, v, causal, s, cap), want, atol=2e-6, rtol=0)
+    full = np.asarray(run(q, k, v, causal))
+    pad = [(0, 0), (0, S - T), (0, 0), (0, 0)]
+    kp, vp = jnp.pad(k, pad, constant_values=3.0), jnp.pad(v, pad, constant_values=7.0)  # empty slots: any values
+    for p in (0, 7, T - 1):
+        vis = jnp.broadcast_to(jnp.arange(S) <= p, (2, 1, S))
+        one = np.asarray(run(q[:, p : p + 1], kp, vp, vis))
+        np.testing.assert_array_equal(one[:, 0], full[:, p])
+
+
+BF16_BOUND = 1e-5  # bfloat16, batch-invariant mode on both sides: measured max 1.2e-7 (docs/post-training.md)
+
+
+@pytest.mark.slow
+def test_bfloat16_sampler_logprobs_within_the_stated_bound():
+    from causal_lm.serve import Engine
+    from causal_lm.train.grpo import rollout_batch
+
+    graphdef, params, rest = init_params(dataclasses.replace(RL_MODEL, dtype="bfloat16"), 0)
+    model = nnx.merge(graphdef, params, rest)
+    # One compiled step program (a single rows/tokens bucket): the cost here is compiling, not running.
+    engine = Engine(
+        model, max_seqs=4, page_size=8, num_pages=32, batch_buckets=[4], token_buckets=[16], batch_invariant=True
+    )
+    prompt = ByteTokenizer().encode("User: What is 2 + 3?\nAssistant: ")
+    reqs = [dict(prompt_ids=prompt, max_tokens=8, seed=i, **kw) for i, kw in enumerate(SETTINGS.values())]
+    results = engine.run(reqs, progress=False)
+    batch, _ = rollout_batch([results], [0.0] * len(results), RL_MODEL.max_seq_len - 1)
+    col = lambda key, default: jnp.asarray([kw.get(key, default) for kw in SETTINGS.values()])[:, None]  # noqa: E731
+    new = jax.jit(lambda *a: token_logprobs(model, *a))(
+        batch["tokens"],
+        batch["targets"],
+        batch["segment_ids"],
+        col("temperature", 1.0),
+        col("top_k", 0),
+        col("top_p", 1.0),
+    )
+    on = batch["weights"] > 0
+    diff = np.abs(np.asarray(new)[on] - batch["old_logp"][on])
+    assert on.sum() == sum(len(r.tokens) for r in results) and diff.max() <= BF16_BOUND, diff.max()
+
+
 def test_group_advantages_are_normalized_per_group():
     r = np.array([[1.0, 0.0, 0.0, 1.0], [5.0, 5.0, 5.0, 5.0], [0.0, 3.0, 6.0, 9.0]])
     a = group_advantages(r)

@@ -221,7 +221,10 @@ class GRPOTrainer:
             ],
             np.float32,
         )
-        batch, adv = rollout_batch(groups, group_advantages(rewards), self.length)
+        # The update's length: the longest prompt + reply rounded up to 64 tokens (a few compiled shapes), not
+        # max_seq_len: the batch-invariant forward costs per token, and a query's bits do not depend on it.
+        longest = max(len(r.prompt) + len(r.tokens) - 1 for g in groups for r in g)
+        batch, adv = rollout_batch(groups, group_advantages(rewards), min(self.length, -(-longest // 64) * 64))
         self.params, self.opt_state, stats = self._update(self.params, self.opt_state, self.ref_params, batch, adv)
         self.step_count += 1
         lengths = [len(r.tokens) for g in groups for r in g]
