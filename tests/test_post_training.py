@@ -206,17 +206,16 @@ def test_invariant_attention_is_the_reference_and_ignores_the_calls_shapes():
     from causal_lm.model.mask import AttentionMask
 
     rng = np.random.default_rng(0)
-    T, S = 20, 150  # 150 slots: two 128-key chunks, the second one all empty for every query
+    T, S = 20, 150  # 150 slots, chunks of 8: the last 16 chunks are empty for every query
     q, k, v = (jnp.asarray(rng.normal(size=(2, T, 4, 8)), jnp.float32) for _ in range(3))
     k, v = k[:, :, :2], v[:, :, :2]  # GQA: 2 KV heads
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (2, T, T))
     sink = jnp.asarray([0.5, -1.0, 0.0, 2.0], jnp.float32)
-    run = jax.jit(
-        lambda q, k, v, vis, sink=None, cap=None: invariant_attention(
-            q, k, v, AttentionMask(vis), scale=0.3, sink=sink, softcap=cap
-        ),
-        static_argnums=5,
-    )
+
+    def attend(q, k, v, vis, sink=None, cap=None, chunk=8):  # chunks of 8 keys: the recurrence spans several
+        return invariant_attention(q, k, v, AttentionMask(vis), scale=0.3, sink=sink, softcap=cap, chunk=chunk)
+
+    run = jax.jit(attend, static_argnums=(5, 6))
     for s, cap in ((None, None), (sink, 1.5)):
         want = reference_attention(q, k, v, AttentionMask(causal), scale=0.3, sink=s, softcap=cap)[0]
         np.testing.assert_allclose(run(q, k, v, causal, s, cap), want, atol=2e-6, rtol=0)

@@ -280,7 +280,7 @@ def invariant_attention(q, k, v, mask: AttentionMask, *, scale, sink=None, softc
         qr = qr.reshape(K, G, H)
 
         def step(carry, xs):
-            m, l, acc = carry  # [K, G], [K, G], [K, G, Hv] float32
+            m, den, acc = carry  # [K, G], [K, G], [K, G, Hv] float32
             kk, vv, vi = xs  # [C, K, H], [C, K, Hv], [C]
             s = jnp.einsum("kgh,ckh->kgc", qr, kk, preferred_element_type=jnp.float32) * jnp.float32(scale)
             if softcap:
@@ -290,19 +290,19 @@ def invariant_attention(q, k, v, mask: AttentionMask, *, scale, sink=None, softc
             alpha = jnp.exp(m - m_new)
             p = jnp.exp(s - m_new[..., None])
             pv = jnp.einsum("kgc,ckh->kgh", p.astype(vv.dtype), vv, preferred_element_type=jnp.float32)
-            return (m_new, l * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + pv), None
+            return (m_new, den * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + pv), None
 
         init = (
             jnp.full((K, G), -jnp.inf, jnp.float32),
             jnp.zeros((K, G), jnp.float32),
             jnp.zeros((K, G, Hv), jnp.float32),
         )
-        m, l, acc = jax.lax.scan(step, init, (kc[b], vc[b], visr))[0]
+        m, den, acc = jax.lax.scan(step, init, (kc[b], vc[b], visr))[0]
         if sink_f is not None:
             m_all = jnp.maximum(m, sink_f)
             r = jnp.exp(m - m_all)
-            l, acc, m = l * r + jnp.exp(sink_f - m_all), acc * r[..., None], m_all
-        out = acc / jnp.maximum(l, jnp.finfo(jnp.float32).tiny)[..., None]
+            den, acc, m = den * r + jnp.exp(sink_f - m_all), acc * r[..., None], m_all
+        out = acc / jnp.maximum(den, jnp.finfo(jnp.float32).tiny)[..., None]
         out = out * jnp.any(visr).astype(out.dtype)  # a query that sees no key gets zeros, as in the reference
         return jax.lax.optimization_barrier(out.reshape(N, Hv))
 

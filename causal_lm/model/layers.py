@@ -13,7 +13,6 @@ from jax.ad_checkpoint import checkpoint_name
 
 from causal_lm.config import ModelConfig
 
-
 _row_wise = threading.local()
 
 

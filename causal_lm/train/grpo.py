@@ -11,9 +11,10 @@ One update:
      plus kl_coef * the k3 estimate of KL(policy || reference) when kl_coef > 0 (the reference: the starting
      weights).
 One update per rollout, so the ratio is the sampler/trainer mismatch itself: the log reports its mean, min, max
-and max |ratio - 1|. On a CPU in float32 the two agree to about 1e-6 per token but are not bitwise equal (see
-docs/post-training.md: the engine's paged attention and the trainer's full forward reduce over the key axis in
-different orders), so the ratio at the first update is 1 to within that, and the log says how close.
+and max |ratio - 1|. Both sides run the model's batch-invariant scoring mode (the rollout engine with
+`batch_invariant=True`, `token_logprobs` with `forward(batch_invariant=True)`): each token's computation has the
+same shapes in a decode step and in the update's forward pass, so on a CPU in float32 the two are bitwise equal and
+the first update's ratio is exactly 1 (docs/post-training.md: the conditions, and the bfloat16 bound).
 
 Built-in rewards: `arithmetic_reward` (exact match of the last number of the reply with the answer) and
 `format_reward` (the reply ends with "The answer is N."), on arithmetic prompts made on the fly
