@@ -55,12 +55,14 @@ def probabilities(logits, temperature, top_k, top_p):
     return jax.lax.cond(temperature > 0, filtered, greedy, logits)
 
 
-def sampled_logprobs(logits, tokens, temperature, top_k, top_p):
+def sampled_logprobs(logits, tokens, temperature, top_k, top_p, invariant=False):
     """logits [..., V], tokens [...] -> float32 [...]: each token's log-probability under the distribution `sample`
     draws from: log_softmax of `filtered_logits` (temperature-scaled, -inf outside top-k/top-p) when temperature > 0.
     Greedy decoding (temperature 0) draws from no distribution; its entry is the model's own (log_softmax of the
     float32 logits), the policy a greedy reply is scored under. The serving engine reports this as a token's
-    `sample_logprob` and a trainer recomputes it from its own logits with this same function (GRPO's ratio)."""
+    `sample_logprob` and a trainer recomputes it from its own logits with this same function (GRPO's ratio).
+    invariant: one row at a time (`lax.map`), so a row's result does not depend on how many rows the call has
+    (XLA:CPU rounds a softmax over [1, V] and over [R, V] rows differently): the batch-invariant scoring mode."""
     logits = logits.astype(jnp.float32)
     shape = logits.shape[:-1]
     temperature = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), shape).reshape(-1)
@@ -72,6 +74,14 @@ def sampled_logprobs(logits, tokens, temperature, top_k, top_p):
         filtered = jax.lax.cond(t > 0, lambda x: filtered_logits(x, t, k, p), lambda x: x, x)
         return jax.nn.log_softmax(filtered, axis=-1)
 
+    if invariant:
+        ids = jnp.asarray(tokens, jnp.int32).reshape(-1)
+
+        def row(args):
+            x, t, k, p, i = jax.lax.optimization_barrier(args)
+            return jax.lax.optimization_barrier(one(x, t, k, p)[i])
+
+        return jax.lax.map(row, (flat, temperature, top_k, top_p, ids)).reshape(shape)
     logp = jax.vmap(one)(flat, temperature, top_k, top_p).reshape(logits.shape)
     return jnp.take_along_axis(logp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
 
@@ -135,10 +145,10 @@ class SamplingParams:
 
         return jax.vmap(one)(logits, self.seed, index, self.temperature, self.top_k, self.top_p)
 
-    def logprob(self, logits, tokens):
+    def logprob(self, logits, tokens, invariant=False):
         """logits [B, V], tokens [B] -> [B] float32: each row's token under the distribution it was drawn from
-        (`sampled_logprobs` with the row's own settings)."""
-        return sampled_logprobs(logits, tokens, self.temperature, self.top_k, self.top_p)
+        (`sampled_logprobs` with the row's own settings; invariant: one row at a time, see there)."""
+        return sampled_logprobs(logits, tokens, self.temperature, self.top_k, self.top_p, invariant)
 
     def stopped(self, tokens):
         """tokens [B] -> [B] bool: the token is one of its row's stop ids."""

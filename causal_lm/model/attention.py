@@ -104,6 +104,7 @@ class Attention(nnx.Module):
             softcap=c.attn_softcap or None,
             return_weights=ctx.return_weights,
             keys_copied=getattr(cache, "copies_keys", False),
+            invariant=ctx.invariant,
         )  # [B, T, N, H]
         if c.attn_output_gate:
             gate = jax.nn.sigmoid(project(x, self.wg[...].astype(dt)).astype(jnp.float32))

@@ -23,12 +23,15 @@ class AttentionContext:
     mask_of_layer:  which of `masks` each layer uses.
     plan:           where the new tokens go in the cache (None without a cache).
     return_weights: whether layers return their attention weights (the reference kernel then runs).
+    invariant:      the batch-invariant scoring mode: attention by `kernels.invariant_attention`, whose result for
+                    a query does not depend on the call's shapes (see `Decoder.forward(batch_invariant=...)`).
     """
 
     masks: tuple
     mask_of_layer: tuple
     plan: CacheWrite | None = None
     return_weights: bool = False
+    invariant: bool = False
     ropes: tuple = ()
     rope_of_layer: tuple = ()
 

@@ -24,6 +24,8 @@ Shape letters (used in every `# [...]` comment of the package):
     in_place_attention    a few queries over a long cache (decode): reads K/V in their cache layout [B, S, K, H]
                           instead of transposing the whole layer first.
     xla_dot_product_attention  `jax.nn.dot_product_attention`, XLA's own choice of implementation.
+    invariant_attention   one query at a time over fixed key chunks: bitwise the same for a query whatever the
+                          call's shapes (the batch-invariant scoring mode of RL's sampler and trainer).
     backends.cudnn_attention / backends.splash_attention  the fused kernels of GPUs and TPUs (see backends.py).
 
 `attention()` picks one from static facts (platform, shapes, mask structure, config); `attention_impl` names the
@@ -243,6 +245,72 @@ def in_place_attention(q, k, v, mask: AttentionMask, *, scale, sink=None, softca
     return out.transpose(0, 1, 4, 2, 3).reshape(B, T, N, Hv)
 
 
+# ---- batch-invariant: one query at a time, keys in fixed chunks -----------------------------------------------
+
+INVARIANT_CHUNK = 128  # keys per step of `invariant_attention`'s online softmax
+
+
+def invariant_attention(q, k, v, mask: AttentionMask, *, scale, sink=None, softcap=None, chunk=INVARIANT_CHUNK):
+    """The reference's result computed so that each query's output does not depend on how many queries, rows or
+    padded keys the call has: the float operations a query sees are the same in a one-token decode step over a
+    paged cache and in a training forward pass over the whole sequence (RL's sampler/trainer logprob parity).
+
+    XLA:CPU picks different kernels for the same maths at different shapes (a softmax over [1, S] and over
+    [T, S] rows round differently, and a large fusion may run in another library with its own exp), so shape
+    independence is built here, not hoped for: a sequential loop (`lax.map`) over the B*T queries, each attending
+    one [N, H] query to its row's keys in chunks of `chunk` slots (zero-padded to a whole chunk), the chunks
+    combined by the online-softmax recurrence in key order. A chunk whose keys are all masked changes nothing
+    bitwise (its max is MASK_VALUE, the running max stays, the rescale factor is exp(0) = 1 and its terms are 0),
+    so key widths that differ only by masked slots at the end (a page table's width, a padded batch) give equal
+    bits; key s must be position s in both calls (a cache's slot view and a sequence starting at index 0 are).
+    Slow for training (one query per loop step): a scoring mode, not the default."""
+    B, T, N, H = q.shape
+    S, K, Hv = k.shape[1], k.shape[2], v.shape[-1]
+    G = N // K
+    C = int(chunk)
+    nc = -(-S // C)
+    pad = nc * C - S
+    kc = jnp.pad(k, [(0, 0), (0, pad), (0, 0), (0, 0)]).reshape(B, nc, C, K, H)
+    vc = jnp.pad(v, [(0, 0), (0, pad), (0, 0), (0, 0)]).reshape(B, nc, C, K, Hv)
+    vis = jnp.pad(mask.visible, [(0, 0), (0, 0), (0, pad)]).reshape(B, T, nc, C)
+    sink_f = None if sink is None else sink.astype(jnp.float32).reshape(K, G)
+
+    def one_query(args):
+        qr, b, visr = jax.lax.optimization_barrier(args)  # [N, H], (), [nc, C]: fenced from the caller's fusions
+        qr = qr.reshape(K, G, H)
+
+        def step(carry, xs):
+            m, den, acc = carry  # [K, G], [K, G], [K, G, Hv] float32
+            kk, vv, vi = xs  # [C, K, H], [C, K, Hv], [C]
+            s = jnp.einsum("kgh,ckh->kgc", qr, kk, preferred_element_type=jnp.float32) * jnp.float32(scale)
+            if softcap:
+                s = jnp.tanh(s / jnp.float32(softcap)) * jnp.float32(softcap)
+            s = s + jnp.where(vi, jnp.float32(0), jnp.float32(MASK_VALUE))
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            alpha = jnp.exp(m - m_new)
+            p = jnp.exp(s - m_new[..., None])
+            pv = jnp.einsum("kgc,ckh->kgh", p.astype(vv.dtype), vv, preferred_element_type=jnp.float32)
+            return (m_new, den * alpha + jnp.sum(p, axis=-1), acc * alpha[..., None] + pv), None
+
+        init = (
+            jnp.full((K, G), -jnp.inf, jnp.float32),
+            jnp.zeros((K, G), jnp.float32),
+            jnp.zeros((K, G, Hv), jnp.float32),
+        )
+        m, den, acc = jax.lax.scan(step, init, (kc[b], vc[b], visr))[0]
+        if sink_f is not None:
+            m_all = jnp.maximum(m, sink_f)
+            r = jnp.exp(m - m_all)
+            den, acc, m = den * r + jnp.exp(sink_f - m_all), acc * r[..., None], m_all
+        out = acc / jnp.maximum(den, jnp.finfo(jnp.float32).tiny)[..., None]
+        out = out * jnp.any(visr).astype(out.dtype)  # a query that sees no key gets zeros, as in the reference
+        return jax.lax.optimization_barrier(out.reshape(N, Hv))
+
+    rows = jnp.repeat(jnp.arange(B, dtype=jnp.int32), T)
+    out = jax.lax.map(one_query, (q.reshape(B * T, N, H), rows, vis.reshape(B * T, nc, C)))
+    return out.reshape(B, T, N, Hv).astype(v.dtype)
+
+
 # ---- XLA's fused attention ----------------------------------------------------------------------------------
 
 
@@ -271,6 +339,7 @@ def attention(
     softcap=None,
     return_weights=False,
     keys_copied=False,
+    invariant=False,
 ):
     """Attention output [B, T, N, Hv] and, with return_weights, the weights [B, N, T, S] (else None).
 
@@ -282,6 +351,10 @@ def attention(
     scale = default_scale(q.shape[-1]) if scale is None else scale
     if return_weights:
         return reference_attention(q, k, v, mask, scale=scale, sink=sink, softcap=softcap)
+    if invariant:  # the scoring mode (`Decoder.forward(batch_invariant=True)`), whatever the family
+        if mask.zero_after is not None:
+            raise ValueError("batch-invariant attention has no zero-after-softmax variant")
+        return invariant_attention(q, k, v, mask, scale=scale, sink=sink, softcap=softcap), None
     if impl not in ("xla", "dot_product_attention"):  # auto, cudnn, splash (a named one off its platform: raises)
         fused = backends.resolve(
             impl,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +14,34 @@ from jax.ad_checkpoint import checkpoint_name
 
 from causal_lm.config import ModelConfig
 
+_row_wise = threading.local()
+
+
+@contextlib.contextmanager
+def row_wise(on: bool = True):
+    """While tracing inside this context, `project` and `rms_norm` compute one token (row) at a time
+    (`lax.map`, fenced by optimization barriers), so a token's result has the same bits whatever number of tokens
+    the call holds: XLA:CPU runs a [1, D] @ [D, F] product and a [T, D] @ [D, F] one with different kernels (a
+    matrix-vector product for one row) whose sums round differently. The decoder's batch-invariant scoring mode
+    (`Decoder.forward(batch_invariant=True)`) sets it; it is read when a function is traced, never at run time."""
+    before = getattr(_row_wise, "on", False)
+    _row_wise.on = bool(on)
+    try:
+        yield
+    finally:
+        _row_wise.on = before
+
+
+def _one_row_at_a_time(fn, x, n_in: int):
+    """fn over x [..., *in] one row of the leading axes at a time: fn gets [1, *in] and returns [1, *out]."""
+    lead, inner = x.shape[: x.ndim - n_in], x.shape[x.ndim - n_in :]
+
+    def one(r):
+        return jax.lax.optimization_barrier(fn(jax.lax.optimization_barrier(r)[None])[0])
+
+    rows = jax.lax.map(one, x.reshape((-1, *inner)))
+    return rows.reshape(lead + rows.shape[1:])
+
 
 def project(x, w, n_in: int = 1, preferred_element_type=None):
     """Contract the last `n_in` dims of x [..., *in] with the first `n_in` of w [*in, *out] -> [..., *out].
@@ -19,7 +49,11 @@ def project(x, w, n_in: int = 1, preferred_element_type=None):
     Computed as one 2-D matmul over flattened rows, [rows, prod(in)] @ [prod(in), prod(out)]. The same einsum on
     3-D/4-D operands differentiates into dot_generals whose weight gradient XLA:CPU feeds through a strided
     transpose of the output gradient; on flattened rows both the forward and the backward are plain matmuls.
+    Inside `row_wise()`: one row at a time.
     """
+    if getattr(_row_wise, "on", False) and not hasattr(w, "matmul"):
+        with row_wise(False):
+            return _one_row_at_a_time(lambda r: project(r, w, n_in, preferred_element_type), x, n_in)
     if hasattr(w, "matmul"):  # a quantized weight (model/quant.py): its product reads the quantized bytes
         return w.matmul(x, n_in, preferred_element_type)
     in_shape, out_shape = w.shape[:n_in], w.shape[n_in:]
@@ -45,7 +79,10 @@ def normal_param(rngs: nnx.Rngs, shape, std, dtype) -> nnx.Param:
 
 def rms_norm(x, scale, eps, plus_one: bool = False):
     """x / rms(x) * scale over the last axis (* (1 + scale) with plus_one, Gemma's form), computed in float32 and
-    returned in x's dtype."""
+    returned in x's dtype. Inside `row_wise()`: one row at a time."""
+    if getattr(_row_wise, "on", False):
+        with row_wise(False):
+            return _one_row_at_a_time(lambda r: rms_norm(r, scale, eps, plus_one), x, 1)
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     gain = scale.astype(jnp.float32)

@@ -127,7 +127,9 @@ class MLAttention(nnx.Module):
             k = jnp.concatenate([k_nope, jnp.broadcast_to(rope_key[:, :, None, :], (B, S, N, c.rope_dim))], -1)
             v = jnp.einsum("bsr,rnh->bsnh", latent, wv_b)  # [B, S, N, Hv]
             q = jnp.concatenate([q_nope, q_rope], axis=-1)
-            out, weights = attention(q, k, v, mask, scale=scale, sink=sink, return_weights=ctx.return_weights)
+            out, weights = attention(
+                q, k, v, mask, scale=scale, sink=sink, return_weights=ctx.return_weights, invariant=ctx.invariant
+            )
         if c.attn_output_gate:
             gate = jax.nn.sigmoid(project(x, self.wg[...].astype(dt)).astype(jnp.float32))
             out = (out.astype(jnp.float32) * gate).astype(dt)

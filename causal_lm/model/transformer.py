@@ -22,7 +22,7 @@ from causal_lm.config import ModelConfig
 from causal_lm.model.attention import Attention
 from causal_lm.model.context import AttentionContext
 from causal_lm.model.kv_cache import KVCache, check_cache_matches, check_capacity, require_causal
-from causal_lm.model.layers import MLP, norm, normal_param, project
+from causal_lm.model.layers import MLP, norm, normal_param, project, row_wise
 from causal_lm.model.mask import AttentionMask, increasing_within_segments, make_mask, segment_positions
 from causal_lm.model.mla import MLAttention
 from causal_lm.model.quant import lookup, quantize
@@ -204,11 +204,17 @@ class Decoder(nnx.Module):
         return_hidden=False,
         layers=None,
         logits_at=None,
+        batch_invariant=False,
     ) -> ModelOutput:
         """The whole forward pass as a `ModelOutput`. input_embeddings [B, T, D] replaces the token lookup (for
         gradient probes such as the no-leak test); tokens still give the shape. logits_at [B, K] int: compute the
         logits only at these indices along T (logits [B, K, V]; a sampler needs one per row, and the output
         projection of every other token would be wasted: 49,152 x 576 multiply-adds a token on the 135M shape).
+        batch_invariant: the scoring mode whose per-token results do not depend on the call's shapes (attention one
+        query at a time over fixed key chunks, `kernels.invariant_attention`; projections and norms one token at a
+        time, `layers.row_wise`): a decode step over a paged cache and a forward pass over the whole sequence then
+        give the same bits for the same token (docs/post-training.md says where that holds). Slower; RL's sampler
+        and trainer use it.
 
         Called eagerly (concrete weights), the parameters are checked finite first, once per array object (see
         `causal_lm.model.weights`); under jit the caller checks them (generate, functional.forward)."""
@@ -219,6 +225,35 @@ class Decoder(nnx.Module):
                 raise InputError(f"logits_at must be [B={shape[0]}, K] indices in [0, {shape[1]}), got {at.tolist()}")
         if not isinstance(self.embed[...], jax.core.Tracer):
             check_weights(self)
+        invariant = bool(batch_invariant)
+        with row_wise(invariant):
+            return self._forward(
+                tokens,
+                positions,
+                segment_ids,
+                cache,
+                return_weights,
+                input_embeddings,
+                return_hidden,
+                layers,
+                logits_at,
+                invariant,
+            )
+
+    def _forward(
+        self,
+        tokens,
+        positions,
+        segment_ids,
+        cache,
+        return_weights,
+        input_embeddings,
+        return_hidden,
+        layers,
+        logits_at,
+        invariant,
+    ) -> ModelOutput:
+        """`forward`'s body (inside `row_wise(invariant)`)."""
         c = self.config
         dt = jnp.dtype(c.dtype)
         tokens = jnp.asarray(tokens, jnp.int32)
@@ -251,7 +286,7 @@ class Decoder(nnx.Module):
         if c.position == "rope":
             ropes, rope_of_layer = layer_rope_tables(c, positions)
             ctx = dataclasses.replace(ctx, ropes=ropes, rope_of_layer=rope_of_layer)
-        ctx = dataclasses.replace(ctx, return_weights=return_weights)
+        ctx = dataclasses.replace(ctx, return_weights=return_weights, invariant=invariant)
 
         x0 = x
         x, cache, weights, hidden = self._run_blocks(x, ctx, cache, layers, return_hidden)

@@ -154,10 +154,12 @@ class StepOutput:
     stopped: jax.Array  # [B] bool: the sampled token is one of the row's stop ids
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "all_logits"), donate_argnames=("pool",))
-def _step_program(state, layers, pool: PagePool, batch: StepBatch, *, graphdef, all_logits: bool):
+@functools.partial(jax.jit, static_argnames=("graphdef", "all_logits", "invariant"), donate_argnames=("pool",))
+def _step_program(state, layers, pool: PagePool, batch: StepBatch, *, graphdef, all_logits: bool, invariant=False):
     """The model over one call's rows through their page tables, then each row's next token and log-probabilities.
-    Logits are projected at each row's last fed token only, unless `all_logits` (a row is scoring its prompt)."""
+    Logits are projected at each row's last fed token only, unless `all_logits` (a row is scoring its prompt).
+    invariant: the model's batch-invariant scoring mode and sample_logprob one row at a time (Engine's
+    batch_invariant)."""
     global _traces
     _traces += 1
     model = nnx.merge(graphdef, state)
@@ -166,13 +168,21 @@ def _step_program(state, layers, pool: PagePool, batch: StepBatch, *, graphdef, 
     segment = (jnp.arange(T, dtype=jnp.int32)[None, :] < batch.n_valid[:, None]).astype(jnp.int32)
     last = jnp.clip(batch.n_valid - 1, 0, T - 1)
     if all_logits:
-        logits, cache = model(batch.tokens, segment_ids=segment, cache=cache, layers=layers)  # [B, T, V] float32
+        out = model.forward(batch.tokens, segment_ids=segment, cache=cache, layers=layers, batch_invariant=invariant)
+        logits, cache = out.logits, out.cache  # [B, T, V] float32
         logp_all = jax.nn.log_softmax(logits, axis=-1)
         target = jnp.take_along_axis(logp_all, jnp.maximum(batch.targets, 0)[..., None], axis=-1)[..., 0]
         target_logprobs = jnp.where(batch.targets >= 0, target, 0.0)
         last_logits = jnp.take_along_axis(logits, last[:, None, None], axis=1)[:, 0]  # [B, V]
     else:
-        out = model.forward(batch.tokens, segment_ids=segment, cache=cache, logits_at=last[:, None], layers=layers)
+        out = model.forward(
+            batch.tokens,
+            segment_ids=segment,
+            cache=cache,
+            logits_at=last[:, None],
+            layers=layers,
+            batch_invariant=invariant,
+        )
         last_logits, cache = out.logits[:, 0], out.cache
         target_logprobs = jnp.zeros((B, T), jnp.float32)
     logp = jax.nn.log_softmax(last_logits, axis=-1)
@@ -181,7 +191,7 @@ def _step_program(state, layers, pool: PagePool, batch: StepBatch, *, graphdef, 
     out = StepOutput(
         token=token,
         logprob=jnp.take_along_axis(logp, token[:, None], axis=1)[:, 0],
-        sample_logprob=batch.sampling.logprob(last_logits, token),
+        sample_logprob=batch.sampling.logprob(last_logits, token, invariant),
         top_ids=top_ids.astype(jnp.int32),
         top_logprobs=top_logprobs,
         target_logprobs=target_logprobs,
@@ -229,6 +239,10 @@ class Engine:
     max_seqs; 1, 4, 16, ... up to max_step_tokens; doubling from 256 tokens' worth of pages up to max_seq_len's;
     max_seqs and the whole table are always buckets).
     prefix_cache: share the full pages of common prompt prefixes between requests.
+    batch_invariant: run the model in its batch-invariant scoring mode (`Decoder.forward(batch_invariant=True)`)
+    and compute sample_logprobs one row at a time, so a token's logprobs are the bits a trainer's forward pass
+    over the whole sequence in the same mode computes (RL's importance ratio exactly 1; docs/post-training.md).
+    Slower decoding (attention one query at a time): off by default.
     """
 
     def __init__(
@@ -245,8 +259,10 @@ class Engine:
         token_buckets=None,
         width_buckets=None,
         prefix_cache: bool = True,
+        batch_invariant: bool = False,
     ):
         c = model.config
+        self.batch_invariant = bool(batch_invariant)
         self.config = c
         self.max_seqs = _positive_int("max_seqs", max_seqs)
         self.page_size = _positive_int("page_size", page_size)
@@ -581,7 +597,13 @@ class Engine:
             batch, shape, all_logits = self._batch(group, fresh if i == 0 else [[] for _ in fresh])
             self._shapes.add(shape)
             self._pool, out = _step_program(
-                self._state, self._layers, self._pool, batch, graphdef=self._graphdef, all_logits=all_logits
+                self._state,
+                self._layers,
+                self._pool,
+                batch,
+                graphdef=self._graphdef,
+                all_logits=all_logits,
+                invariant=self.batch_invariant,
             )
             outputs.append((group, out))
         self._counts["traces"] += _traces - before

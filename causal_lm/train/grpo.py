@@ -11,9 +11,10 @@ One update:
      plus kl_coef * the k3 estimate of KL(policy || reference) when kl_coef > 0 (the reference: the starting
      weights).
 One update per rollout, so the ratio is the sampler/trainer mismatch itself: the log reports its mean, min, max
-and max |ratio - 1|. On a CPU in float32 the two agree to about 1e-6 per token but are not bitwise equal (see
-docs/post-training.md: the engine's paged attention and the trainer's full forward reduce over the key axis in
-different orders), so the ratio at the first update is 1 to within that, and the log says how close.
+and max |ratio - 1|. Both sides run the model's batch-invariant scoring mode (the rollout engine with
+`batch_invariant=True`, `token_logprobs` with `forward(batch_invariant=True)`): each token's computation has the
+same shapes in a decode step and in the update's forward pass, so on a CPU in float32 the two are bitwise equal and
+the first update's ratio is exactly 1 (docs/post-training.md: the conditions, and the bfloat16 bound).
 
 Built-in rewards: `arithmetic_reward` (exact match of the last number of the reply with the answer) and
 `format_reward` (the reply ends with "The answer is N."), on arithmetic prompts made on the fly
@@ -98,8 +99,8 @@ class GRPOSettings:
 def token_logprobs(model, tokens, targets, segment_ids, temperature, top_k, top_p):
     """[B, T] log-probabilities of `targets` under the distribution the sampler draws from, from one forward pass
     over `tokens` (the trainer's side of the parity with the engine's `sample_logprobs`)."""
-    logits, _ = model(tokens, segment_ids=segment_ids)
-    return sampled_logprobs(logits.astype(jnp.float32), targets, temperature, top_k, top_p)
+    logits = model.forward(tokens, segment_ids=segment_ids, batch_invariant=True).logits
+    return sampled_logprobs(logits.astype(jnp.float32), targets, temperature, top_k, top_p, invariant=True)
 
 
 def grpo_loss(new_logp, old_logp, advantages, weights, clip_eps, ref_logp=None, kl_coef=0.0):
@@ -127,7 +128,7 @@ def grpo_loss(new_logp, old_logp, advantages, weights, clip_eps, ref_logp=None, 
 
 def rollout(model, tokenizer, problems, s: GRPOSettings, seed: int, engine_kwargs=None):
     """G samples per (question, answer) through the engine: a list (per prompt) of lists of RequestResults."""
-    engine = Engine(model, **(engine_kwargs or {}))
+    engine = Engine(model, **{"batch_invariant": True, **(engine_kwargs or {})})
     stop = end_of_turn_ids(tokenizer)
     groups = []
     for i, (q, _) in enumerate(problems):
@@ -221,7 +222,10 @@ class GRPOTrainer:
             ],
             np.float32,
         )
-        batch, adv = rollout_batch(groups, group_advantages(rewards), self.length)
+        # The update's length: the longest prompt + reply rounded up to 64 tokens (a few compiled shapes), not
+        # max_seq_len: the batch-invariant forward costs per token, and a query's bits do not depend on it.
+        longest = max(len(r.prompt) + len(r.tokens) - 1 for g in groups for r in g)
+        batch, adv = rollout_batch(groups, group_advantages(rewards), min(self.length, -(-longest // 64) * 64))
         self.params, self.opt_state, stats = self._update(self.params, self.opt_state, self.ref_params, batch, adv)
         self.step_count += 1
         lengths = [len(r.tokens) for g in groups for r in g]

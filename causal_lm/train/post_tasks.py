@@ -298,7 +298,7 @@ def grpo_step(config, graphdef, tokenizer, console=None):
             dev = float(jax.device_get(metrics["ratio_max_dev"]))
             line = (
                 f"GRPO first update: max |ratio - 1| = {dev:.3g} (sampler vs trainer log-probabilities of the same "
-                f"tokens; 0 would be bitwise equal)"
+                f"tokens; 0: bitwise equal, every ratio exactly 1)"
             )
             if console is not None:
                 console.print(line)
