@@ -880,6 +880,22 @@ MUTANTS = [
         why="decode dequantizes every weight to float before a float matmul: right numbers, 4-8x the bytes read",
     ),
     dict(
+        name="decode-form-k-and-v-swapped",
+        file="causal_lm/model/attention.py",
+        old="q, k, v = jnp.split(qkv, [N * H, (N + K) * H], axis=-1)",
+        new="q, v, k = jnp.split(qkv, [N * H, (N + K) * H], axis=-1)",
+        tests=[M + "test_decode_form_fuses_the_products_and_gives_the_same_logits"],
+        why="the fused q/k/v product of the decode form (split_layers) is split with k and v exchanged",
+    ),
+    dict(
+        name="decode-form-gate-and-up-swapped",
+        file="causal_lm/model/layers.py",
+        old="gate, up = jnp.split(project(x, self.w_gate_up[...].astype(dt)), 2, axis=-1)",
+        new="up, gate = jnp.split(project(x, self.w_gate_up[...].astype(dt)), 2, axis=-1)",
+        tests=[M + "test_decode_form_fuses_the_products_and_gives_the_same_logits"],
+        why="the fused gate/up product of the decode form takes the activation of the up half",
+    ),
+    dict(
         name="lora-scale-alpha-not-over-rank",
         file="causal_lm/train/lora.py",
         old="return float(train_config.lora_alpha) / float(train_config.lora_rank)",

@@ -609,4 +609,11 @@ def test_real_smollm2_file(tmp_path):
     np.testing.assert_allclose(logits, hf_logits(ref, [ids]), atol=2e-3, rtol=0)
     out = generate(model, [ids], max_new_tokens=24, stop_tokens=list(tok.stop_ids))
     assert "Paris" in tok.decode(out.tokens[0]) and out.tokens[0][-1] == 2
+    # kept quantized (Q4_1 as int4 blocks with minimums): the file's values, so the dequantized model's logits
+    kept, _ = load_gguf(SMOLLM2, load_tokenizer=False, dequantize=False)
+    assert kept.config.weights == "int4" and kept.config.weights_minimums
+    kept_logits = np.asarray(forward(kept, np.array([ids], np.int32))[0])
+    np.testing.assert_allclose(kept_logits, logits, rtol=0, atol=1e-4 * np.abs(logits).max())
+    kept_out = generate(kept, [ids], max_new_tokens=24, stop_tokens=list(tok.stop_ids))
+    assert kept_out.tokens == out.tokens
     shutil.rmtree(tmp_path, ignore_errors=True)

@@ -96,7 +96,7 @@ def _advance_fn(model, use_cache: bool, total: int, mesh):
     if use_cache:
         # Each layer's weights sliced out of the stacked arrays once per program: the loop's steps then read them
         # in place instead of copying every layer's weights out of the stack at every step.
-        layers = model.split_layers()
+        layers = model.split_layers(fuse=mesh is None)
 
         def advance(cache, tok, active):
             """One token per active row through the cache."""

@@ -276,11 +276,11 @@ def _passes(
     """The speculative loop (see the module docstring) from `start` until done or `until_passes` passes."""
     B = start.count.shape[0]
     width = start.out.shape[1]
-    layers = model.split_layers()
+    layers = model.split_layers(fuse=mesh is None)
     draft = draft_layers = None
     if draft_graphdef is not None:
         draft = nnx.merge(draft_graphdef, draft_state)
-        draft_layers = draft.split_layers()
+        draft_layers = draft.split_layers(fuse=mesh is None)
 
     def cond(s: SpeculativeState):
         return ~jnp.all(s.done) & (s.passes < limit) & (s.passes < until_passes)

@@ -51,11 +51,45 @@ class Attention(nnx.Module):
             self.q_norm = norm(c, H)
             self.k_norm = norm(c, H)
 
+    def fuse_products(self) -> None:
+        """The decode form of this layer (`Decoder.split_layers`): wq, wk and wv replaced by one weight `wqkv`
+        [D, (N + 2K) H], so a step reads them in one matrix-vector product instead of three. Float weights only (a
+        quantized layer keeps its three products)."""
+        if not all(isinstance(getattr(self, n, None), nnx.Param) for n in ("wq", "wk", "wv")):
+            return
+        D = self.config.d_model
+        self.wqkv = nnx.Param(
+            jnp.concatenate(
+                [self.wq[...].reshape(D, -1), self.wk[...].reshape(D, -1), self.wv[...].reshape(D, -1)], axis=1
+            )
+        )
+        del self.wq, self.wk, self.wv
+
+    def _products(self, x):
+        """x [B, T, D] -> q [B, T, N, H], k and v [B, T, K, H], before biases, norms and RoPE."""
+        c = self.config
+        dt = jnp.dtype(c.dtype)
+        if "wqkv" in vars(self):
+            N, K, H = c.num_heads, c.num_kv_heads, c.head_dim
+            qkv = project(x, self.wqkv[...].astype(dt))  # [B, T, (N + 2K) H]
+            q, k, v = jnp.split(qkv, [N * H, (N + K) * H], axis=-1)
+            lead = x.shape[:-1]
+            return q.reshape(lead + (N, H)), k.reshape(lead + (K, H)), v.reshape(lead + (K, H))
+        q = checkpoint_name(project(x, self.wq[...].astype(dt)), "attn_q")  # [B, T, N, H]
+        k = checkpoint_name(project(x, self.wk[...].astype(dt)), "attn_k")  # [B, T, K, H]
+        v = checkpoint_name(project(x, self.wv[...].astype(dt)), "attn_v")
+        return q, k, v
+
     def project_q(self, x, cos, sin):
         """Queries for the tokens: [B, T, N, H] (rotated with RoPE)."""
         c = self.config
         dt = jnp.dtype(c.dtype)
         q = checkpoint_name(project(x, self.wq[...].astype(dt)), "attn_q")  # [B, T, N, H]
+        return self._finish_q(q, cos, sin)
+
+    def _finish_q(self, q, cos, sin):
+        c = self.config
+        dt = jnp.dtype(c.dtype)
         if c.qkv_bias:
             q = q + self.bq[...].astype(dt)
         if c.qk_norm:
@@ -70,6 +104,11 @@ class Attention(nnx.Module):
         dt = jnp.dtype(c.dtype)
         k = checkpoint_name(project(x, self.wk[...].astype(dt)), "attn_k")  # [B, T, K, H]
         v = checkpoint_name(project(x, self.wv[...].astype(dt)), "attn_v")
+        return self._finish_kv(k, v, cos, sin)
+
+    def _finish_kv(self, k, v, cos, sin):
+        c = self.config
+        dt = jnp.dtype(c.dtype)
         if c.qkv_bias:
             k = k + self.bk[...].astype(dt)
             v = v + self.bv[...].astype(dt)
@@ -87,8 +126,9 @@ class Attention(nnx.Module):
         c = self.config
         dt = jnp.dtype(c.dtype)
         cos, sin = ctx.rope_for(layer)
-        q = self.project_q(x, cos, sin)  # [B, T, N, H]
-        k, v = self.project_kv(x, cos, sin)  # [B, T, K, H]
+        q, k, v = self._products(x)
+        q = self._finish_q(q, cos, sin)  # [B, T, N, H]
+        k, v = self._finish_kv(k, v, cos, sin)  # [B, T, K, H]
         if cache is not None:
             cache, kv = cache.update(layer, {"k": k, "v": v}, ctx.plan)
             k, v = kv["k"], kv["v"]  # [B, S, K, H]

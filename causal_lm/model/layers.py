@@ -127,9 +127,20 @@ class MLP(nnx.Module):
         self.w_up = normal_param(rngs, (c.d_model, c.mlp_dim), c.init_std, pd)
         self.w_down = normal_param(rngs, (c.mlp_dim, c.d_model), c.init_std / (2 * c.num_layers) ** 0.5, pd)
 
+    def fuse_products(self) -> None:
+        """The decode form (`Decoder.split_layers`): w_gate and w_up replaced by one weight `w_gate_up` [D, 2F], read
+        in one matrix-vector product. Float weights only."""
+        if not all(isinstance(getattr(self, n, None), nnx.Param) for n in ("w_gate", "w_up")):
+            return
+        self.w_gate_up = nnx.Param(jnp.concatenate([self.w_gate[...], self.w_up[...]], axis=1))
+        del self.w_gate, self.w_up
+
     def __call__(self, x):
         dt = self.dtype
         act = ACTIVATIONS[self.activation]
+        if "w_gate_up" in vars(self):
+            gate, up = jnp.split(project(x, self.w_gate_up[...].astype(dt)), 2, axis=-1)
+            return project(act(gate) * up, self.w_down[...].astype(dt))
         gate = checkpoint_name(project(x, self.w_gate[...].astype(dt)), "mlp_gate")  # [B, T, F]
         up = checkpoint_name(project(x, self.w_up[...].astype(dt)), "mlp_up")
         return checkpoint_name(project(act(gate) * up, self.w_down[...].astype(dt)), "mlp_down")  # [B, T, D]

@@ -66,6 +66,22 @@ class ModelOutput:
     hidden: jax.Array | None = None  # [L+1, B, T, D] residual stream: embeddings, then each block (return_hidden)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeLayers:
+    """`Decoder.split_layers()`: each layer's weights sliced out of the stack once (and in their decode form), with
+    the graph definition that rebuilds a layer from them."""
+
+    graphdef: nnx.GraphDef = dataclasses.field(metadata=dict(static=True))
+    states: list
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __getitem__(self, i):
+        return self.states[i]
+
+
 class Block(nnx.Module):
     def __init__(self, c: ModelConfig, rngs: nnx.Rngs):
         self.post_norms = c.post_norms
@@ -76,6 +92,12 @@ class Block(nnx.Module):
         if c.post_norms:
             self.post_attn_norm = norm(c)
             self.post_mlp_norm = norm(c)
+
+    def fuse_products(self) -> None:
+        """The decode form of the block's products (see `Decoder.split_layers`)."""
+        if isinstance(self.attn, Attention):
+            self.attn.fuse_products()
+        self.mlp.fuse_products()
 
     def __call__(self, x, ctx: AttentionContext, cache: KVCache | None = None, layer=0):
         """x [B, T, D] -> (x, cache, attention weights or None)."""
@@ -345,27 +367,51 @@ class Decoder(nnx.Module):
         mask_of_layer = tuple(windows.index(w) for w in c.layer_windows)
         return positions, AttentionContext(tuple(masks), mask_of_layer)
 
-    def split_layers(self) -> list:
-        """The stacked blocks' state as a list of L per-layer states, for `forward(..., layers=...)`.
+    def split_layers(self, fuse: bool = True) -> DecodeLayers:
+        """The stacked blocks' state as L per-layer states, for `forward(..., layers=...)`.
 
         A loop that runs the model many times over the same weights (the decode loop of `generate`) slices them
         once, outside the loop, and passes them in: the blocks then run unrolled on these slices. Run from the
         stacked arrays, every step of the loop would first copy each layer's weights out of them.
+
+        fuse: the slices are also the layers' decode form: q/k/v and gate/up concatenated into one weight each
+        (`Attention.fuse_products`, `MLP.fuse_products`), so a batch-1 step reads them in 4 matrix-vector products a
+        layer instead of 7 (measured on the 135M shape: docs/performance.md). The same copy, another layout; the
+        products' values are the same up to float rounding. Off under a mesh (the concatenation would mix shardings).
         """
-        _, state = nnx.split(self.blocks)
-        return [jax.tree.map(lambda a, i=i: a[i], state) for i in range(self.config.num_layers)]
+        graphdef, state = nnx.split(self.blocks)
+        states = [jax.tree.map(lambda a, i=i: a[i], state) for i in range(self.config.num_layers)]
+        if fuse:
+            fused = []
+            for s in states:
+                block = nnx.merge(graphdef, s)
+                block.fuse_products()
+                graphdef_fused, s = nnx.split(block)
+                fused.append(s)
+            graphdef, states = graphdef_fused, fused
+        return DecodeLayers(graphdef, states)
 
     def _run_blocks(self, x, ctx: AttentionContext, cache, layers, return_hidden):
         """(x, cache, weights [L, ...] or None, block outputs [L, B, T, D] or None)."""
         c = self.config
         graphdef, state = nnx.split(self.blocks)
 
-        def body(x, cache, layer_state, i):
-            x, cache, w = nnx.merge(graphdef, layer_state)(x, ctx, cache, i)
-            return x, cache, (w, x if return_hidden else None)
+        def block_body(graphdef):
+            def body(x, cache, layer_state, i):
+                x, cache, w = nnx.merge(graphdef, layer_state)(x, ctx, cache, i)
+                return x, cache, (w, x if return_hidden else None)
 
+            return body
+
+        body = block_body(graphdef)
         policy = remat_policy(c.remat)
-        checkpointed = jax.checkpoint(body, prevent_cse=not c.scan_layers, policy=policy, static_argnums=(3,))
+        # A caller's split_layers() carry their own graph definition (the decode form of the products).
+        checkpointed = jax.checkpoint(
+            body if layers is None else block_body(layers.graphdef),
+            prevent_cse=not c.scan_layers,
+            policy=policy,
+            static_argnums=(3,),
+        )
         one_layout = cache is None or len(cache.groups) == 1
         if c.scan_layers and layers is None and one_layout:
 
