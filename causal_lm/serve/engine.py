@@ -37,8 +37,19 @@ Scheduler (host, each step):
 A step runs up to two calls of the step program: its decoding rows (one token each) and its prompt chunks, each
 padded to its (rows, tokens, table width) bucket; kept apart, no decoding row pays for a chunk's length. Logits are
 projected at each row's last fed token only (all of them only for a request that asked for prompt logprobs).
+Decode bursts. When every row of a step is decoding (no prompt chunk), the step runs up to `burst_steps` decode
+steps in one dispatch: an on-device loop feeds each row's last token, draws the next exactly as a one-token step
+(the same function, key fold_in(seed, n) for the row's n-th token), and stops a row at a stop id or its
+max_tokens; the host books the tokens afterwards, step by step (events in that order), dropping any after a row's
+end, and gives back its pages. Pages for the slots of the tokens a row may feed are allocated before dispatch
+(only as many steps as the free pages cover; else a one-token step, which may preempt). The host's work per token
+(building the batch, dispatch, reading back) is paid once per burst. Latency: a new request waits for at most one
+burst before its prompt is fed (a step with a prompt chunk never bursts), and while requests wait a burst stops
+where the first row reaches max_tokens, so a row frees its place the step it would without bursts (a stop id
+mid-burst frees it at the burst's end). `step(max_burst=n)` caps a burst (EngineLoop's streaming pauses).
 Compiled programs: one per (rows, tokens, table width) bucket met, at most len(batch_buckets) x len(token_buckets)
-x len(width_buckets) (x 2 with prompt logprobs); by default rows 1, 2, 4, ... max_seqs, tokens 1, 4, 16, ...
+x len(width_buckets) (x 2 with prompt logprobs), and a burst program per (rows, table width) (its step count is
+traced); by default rows 1, 2, 4, ... max_seqs, tokens 1, 4, 16, ...
 max_step_tokens and table widths (pages) doubling from 256 tokens' worth up to max_seq_len's. A row's table is cut
 to the call's width, so attention reads (and the view gathers) the pages the rows hold, not max_seq_len slots.
 """
