@@ -229,6 +229,12 @@ def tokens_by_request(events) -> dict:
     return out
 
 
+def assert_pages_cover_the_cache(engine):
+    """Every running sequence holds a page for each token whose K/V it has computed (a window model aside)."""
+    for seq in engine._running:
+        assert len(seq.pages[0]) * engine.page_size >= seq.computed, f"request {seq.rid}: K/V outside its pages"
+
+
 def test_decode_bursts_change_no_token_and_end_on_time():
     """A step whose rows all decode runs several decode steps in one dispatch (a burst). Bursts change no token:
     a row that emits its stop id mid-burst keeps nothing after it and gives its pages back at once while the others
@@ -249,6 +255,7 @@ def test_decode_bursts_change_no_token_and_end_on_time():
     while engine.has_work():
         waiting, bursts = engine.stats()["waiting"], engine.stats()["bursts"]
         counts = {len(t) for t in tokens_by_request(engine.step()).values()}
+        assert_pages_cover_the_cache(engine)
         if waiting and engine.stats()["bursts"] > bursts:
             waiting_bursts += 1
             assert len(counts) == 1 and counts.pop() > 1
@@ -274,6 +281,7 @@ def test_decode_bursts_change_no_token_and_end_on_time():
     assert before[stopping] <= stop_at and before[short] < 7 and before[cancelled] <= 3
     assert engine.stats()["bursts"] == bursts
     got = tokens_by_request(engine.step())
+    assert_pages_cover_the_cache(engine)
     assert engine.stats()["bursts"] == bursts + 1
     assert engine.result(stopping).finish_reason == "stop" and engine.result(stopping).tokens[-1] == stop
     assert engine.result(short).finish_reason == "length" and len(engine.result(short).tokens) == 8
