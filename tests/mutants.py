@@ -552,6 +552,40 @@ MUTANTS = [
         why="the page holding the oldest key still inside the window is given back one token too soon",
     ),
     dict(
+        name="burst-pages-one-slot-short",
+        file="causal_lm/serve/engine.py",
+        old="self._allocate(seq, pages_for(seq.computed + n, self.page_size) - len(seq.pages[0]))",
+        new="self._allocate(seq, pages_for(seq.computed + n - 1, self.page_size) - len(seq.pages[0]))",
+        tests=["tests/test_engine.py::test_decode_bursts_change_no_token_and_end_on_time"],
+        why="a decode burst's pages cover one slot too few: the K/V of a row's last fed token is dropped when it "
+        "starts a page (it does not even see itself)",
+    ),
+    dict(
+        name="burst-keeps-tokens-after-a-finish",
+        file="causal_lm/serve/engine.py",
+        old="if seq.finish_reason is None and i < limits[b]:",
+        new="if i < limits[b]:",
+        tests=["tests/test_engine.py::test_decode_bursts_change_no_token_and_end_on_time"],
+        why="a row that emitted its stop id mid-burst goes on booking the burst's later tokens",
+    ),
+    dict(
+        name="burst-ignores-waiting-requests",
+        file="causal_lm/serve/engine.py",
+        old="longest = min(cap, min(left)) if self._waiting else cap",
+        new="longest = cap",
+        tests=["tests/test_engine.py::test_decode_bursts_change_no_token_and_end_on_time"],
+        why="bursts run their full length while requests wait for a row: a row that reaches max_tokens early in "
+        "a burst holds its place (and the waiting request's first token) until the burst ends",
+    ),
+    dict(
+        name="burst-key-index-not-advanced",
+        file="causal_lm/serve/engine.py",
+        old="_draw(out.logits[:, 0], batch.sampling, batch.index + i, no_targets, invariant)",
+        new="_draw(out.logits[:, 0], batch.sampling, batch.index, no_targets, invariant)",
+        tests=["tests/test_engine.py::test_decode_bursts_change_no_token_and_end_on_time"],
+        why="every step of a burst draws with the key of its first: sampled tokens differ from one step at a time",
+    ),
+    dict(
         name="engine-loop-clock-stops-at-first-finished",
         file="causal_lm/serve/loop.py",
         old="return self.limit if s.done.all() else",
@@ -736,8 +770,8 @@ MUTANTS = [
     dict(
         name="engine-ignores-batch-invariant",
         file="causal_lm/serve/engine.py",
-        old="invariant=self.batch_invariant,",
-        new="invariant=False,",
+        old="self.batch_invariant = bool(batch_invariant)",
+        new="self.batch_invariant = False",
         tests=[
             "tests/test_post_training.py::test_sampler_logprobs_equal_the_trainers[greedy]",
             "tests/test_post_training.py::test_bfloat16_sampler_logprobs_within_the_stated_bound",

@@ -220,6 +220,93 @@ def test_exact_under_churn_int8():
     assert_exact_under_churn(model, engine, seed=3, cache_dtype="int8")
 
 
+# ---- decode bursts -------------------------------------------------------------------------------------------------
+def tokens_by_request(events) -> dict:
+    out = {}
+    for e in events:
+        if e.token is not None:
+            out.setdefault(e.request_id, []).append(e.token)
+    return out
+
+
+def assert_pages_cover_the_cache(engine):
+    """Every running sequence holds a page for each token whose K/V it has computed (a window model aside)."""
+    for seq in engine._running:
+        assert len(seq.pages[0]) * engine.page_size >= seq.computed, f"request {seq.rid}: K/V outside its pages"
+
+
+def test_decode_bursts_change_no_token_and_end_on_time():
+    """A step whose rows all decode runs several decode steps in one dispatch (a burst). Bursts change no token:
+    a row that emits its stop id mid-burst keeps nothing after it and gives its pages back at once while the others
+    go on; a row reaching max_tokens mid-burst stops there; a request cancelled between bursts gets nothing more; a
+    sampled request draws what it draws one step at a time (burst_steps=1); every greedy request ends with
+    generate's tokens. Bursts end on time: a new arrival's prompt is fed by the next step (no burst while a prompt
+    chunk runs), and while a request waits for a row every running row emits the same count of tokens in a burst
+    (none ends by max_tokens before the burst's end, holding its place). Bug classes: a token after a stop kept,
+    a burst's pages one slot short (K/V dropped), a burst's key index off, bursts that starve waiting requests."""
+    model = tiny_model(CONFIGS["gqa"])
+    rng = np.random.default_rng(12)
+    prompts = [rng.integers(0, V, int(rng.integers(17, 33))).tolist() for _ in range(12)]
+    engine = small_engine(model)
+
+    # requests waiting for a row: each burst stops where the first running row reaches its max_tokens
+    ids = [engine.submit(p, max_tokens=MAX_NEW - i % 3) for i, p in enumerate(prompts[:8])]  # 6 rows: two wait
+    waiting_bursts = 0
+    while engine.has_work():
+        waiting, bursts = engine.stats()["waiting"], engine.stats()["bursts"]
+        counts = {len(t) for t in tokens_by_request(engine.step()).values()}
+        assert_pages_cover_the_cache(engine)
+        if waiting and engine.stats()["bursts"] > bursts:
+            waiting_bursts += 1
+            assert len(counts) == 1 and counts.pop() > 1
+    assert waiting_bursts > 0 and engine.stats()["bursts"] > waiting_bursts  # and longer bursts once none waits
+    for i, rid in enumerate(ids):
+        r = engine.result(rid)
+        assert r.tokens == reference(model, prompts[i])[: MAX_NEW - i % 3] and r.finish_reason == "length"
+
+    # a stop mid-burst, max_tokens mid-burst, a cancellation between bursts, a new arrival ending them
+    want = [reference(model, p) for p in prompts]
+    stop_at = next(j for j in range(3, MAX_NEW) if want[8][j] not in want[8][:j])  # request 8's stop: its first
+    stop = want[8][stop_at]
+    bursts = engine.stats()["bursts"]
+    stopping, short, sampled, cancelled = ids = [
+        engine.submit(prompts[8], max_tokens=MAX_NEW, stop=[stop]),
+        engine.submit(prompts[9], max_tokens=8),
+        engine.submit(prompts[10], max_tokens=MAX_NEW, **SAMPLED),
+        engine.submit(prompts[11], max_tokens=MAX_NEW),
+    ]
+    while any(not engine.result(i).tokens for i in ids):
+        engine.step(max_burst=1)  # one token per step: no burst yet
+    before = {i: len(engine.result(i).tokens) for i in ids}
+    assert before[stopping] <= stop_at and before[short] < 7 and before[cancelled] <= 3
+    assert engine.stats()["bursts"] == bursts
+    got = tokens_by_request(engine.step())
+    assert_pages_cover_the_cache(engine)
+    assert engine.stats()["bursts"] == bursts + 1
+    assert engine.result(stopping).finish_reason == "stop" and engine.result(stopping).tokens[-1] == stop
+    assert engine.result(short).finish_reason == "length" and len(engine.result(short).tokens) == 8
+    assert held(engine, stopping) == held(engine, short) == [0]  # their pages went back in the burst
+    assert len(got[cancelled]) == 8 > max(len(got[stopping]), len(got[short]))  # the others went on
+    engine.cancel(cancelled)
+    n_cancelled = len(engine.result(cancelled).tokens)
+    ids.append(engine.submit(prompts[0], max_tokens=4))  # a new arrival: the next step feeds its prompt
+    got = tokens_by_request(engine.step())
+    assert engine.stats()["bursts"] == bursts + 1 and engine._requests[ids[4]].computed > 0
+    assert cancelled not in got and len(got[sampled]) == 1
+    while engine.has_work():
+        engine.step()
+    results = [engine.result(i) for i in ids]
+    assert results[0].tokens == want[8][: stop_at + 1]
+    assert results[1].tokens == want[9][:8] and results[4].tokens == want[0][:4]
+    assert results[3].tokens == want[11][:n_cancelled] and results[3].finish_reason == "cancelled"
+    one_step = small_engine(model, burst_steps=1)
+    alone = one_step.run([dict(prompt_ids=prompts[10], max_tokens=MAX_NEW, **SAMPLED)], progress=False)[0]
+    assert results[2].tokens == alone.tokens
+    np.testing.assert_allclose(results[2].logprobs, alone.logprobs, atol=1e-5, rtol=0)
+    assert one_step.stats()["bursts"] == 0
+    assert_no_leak(engine)
+
+
 # ---- the decode loop protocol ------------------------------------------------------------------------------------
 def test_drive_over_the_engine_streams_generates_greedy_tokens():
     """EngineLoop implements DecodeLoop: drive over it (to the end, or streaming every STREAM_EVERY tokens through

@@ -115,6 +115,8 @@ def engine_run(engine: Engine, work) -> dict:
         prefix_hit_tokens=s["prefix_hit_tokens"] - before["prefix_hit_tokens"],
         preemptions=s["preemptions"] - before["preemptions"],
         programs_compiled_while_timed=s["programs_compiled"] - before["programs_compiled"],
+        bursts=s["bursts"] - before["bursts"],
+        burst_tokens=s["burst_tokens"] - before["burst_tokens"],
     )
 
 
@@ -180,6 +182,7 @@ def bench_serve(
     max_seqs: int = 16,
     page_size: int = 16,
     max_step_tokens: int = 256,
+    burst_steps: int = 8,
     baselines: bool = True,
     peer: bool = True,
     seed: int = 0,
@@ -201,6 +204,7 @@ def bench_serve(
         max_step_tokens=max_step_tokens,
         batch_buckets=tuple(b for b in (1, 4, max_seqs) if b <= max_seqs),
         token_buckets=tuple(t for t in (1, 16, 64, max_step_tokens) if t <= max_step_tokens),
+        burst_steps=burst_steps,
     )
     status = peer_status() if peer else "skipped"
     out = {
@@ -215,7 +219,11 @@ def bench_serve(
         },  # fmt: skip
         "workload": dict(requests=requests, prompt_range=list(prompt_range), new_range=list(new_range), seed=seed),
         "engine_settings": dict(
-            max_seqs=max_seqs, page_size=page_size, max_step_tokens=max_step_tokens, num_pages=engine.num_pages
+            max_seqs=max_seqs,
+            page_size=page_size,
+            max_step_tokens=max_step_tokens,
+            num_pages=engine.num_pages,
+            burst_steps=engine.burst_steps,
         ),  # fmt: skip
         "peer": status,
         "runs": {},
@@ -273,7 +281,8 @@ def format_serve(r: dict) -> str:
     if e:
         lines.append(
             f"engine: pages at peak {e['pages_peak']}/{e['pages_total']}, prefix hits {e['prefix_hit_pages']} pages, "
-            f"preemptions {e['preemptions']}, programs compiled while timed {e['programs_compiled_while_timed']}"
+            f"preemptions {e['preemptions']}, programs compiled while timed {e['programs_compiled_while_timed']}, "
+            f"{e['burst_tokens']} of {e['output_tokens']} tokens in {e['bursts']} decode bursts"
         )
     lines.append("ratios (engine tokens/s over): " + ", ".join(f"{k[10:]} {v:.2f}x" for k, v in r["ratios"].items()))
     return "\n".join(lines)

@@ -99,6 +99,9 @@ def register(sub):
     s.add_argument("--max-seqs", type=int, default=16, help="engine rows (default 16)")
     s.add_argument("--page-size", type=int, default=16, help="engine page size (default 16)")
     s.add_argument("--max-step-tokens", type=int, default=256, help="engine tokens per step (default 256)")
+    s.add_argument(
+        "--burst-steps", type=int, default=8, help="engine decode steps per dispatch when all rows decode (default 8)"
+    )
     s.set_defaults(func=run_serve)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
@@ -189,6 +192,7 @@ def run_serve(args) -> int:
         max_seqs=args.max_seqs,
         page_size=args.page_size,
         max_step_tokens=args.max_step_tokens,
+        burst_steps=args.burst_steps,
         baselines=not args.no_baselines,
         peer=not args.no_peer,
     )

@@ -9,6 +9,7 @@ holds per-row settings as one frozen pytree (the serving engine's rows each carr
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -143,12 +144,30 @@ class SamplingParams:
             key = jax.random.fold_in(jax.random.key(seed), n)
             return sample(logits[None], key, temperature, top_k, top_p)[0]
 
-        return jax.vmap(one)(logits, self.seed, index, self.temperature, self.top_k, self.top_p)
+        def drawn(logits):
+            return jax.vmap(one)(logits, self.seed, index, self.temperature, self.top_k, self.top_p)
+
+        # Under vmap each row's lax.cond runs both branches (a select): every greedy row would pay the filters' sort
+        # over the vocabulary and the draw (measured: 16 greedy rows x 49,152 logits, 650 ms on a 2-core CPU). A
+        # batch of greedy rows takes the argmax alone; a batch with a sampled row runs the per-row draw, whose
+        # greedy rows give the same argmax.
+        greedy = functools.partial(jnp.argmax, axis=-1)
+        return jax.lax.cond(jnp.any(self.temperature > 0), drawn, lambda x: greedy(x).astype(jnp.int32), logits)
 
     def logprob(self, logits, tokens, invariant=False):
         """logits [B, V], tokens [B] -> [B] float32: each row's token under the distribution it was drawn from
         (`sampled_logprobs` with the row's own settings; invariant: one row at a time, see there)."""
-        return sampled_logprobs(logits, tokens, self.temperature, self.top_k, self.top_p, invariant)
+        if invariant:  # lax.map over rows: each row's cond runs one branch already
+            return sampled_logprobs(logits, tokens, self.temperature, self.top_k, self.top_p, invariant)
+
+        def model_own(logits):  # what sampled_logprobs gives a greedy row
+            logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+            return jnp.take_along_axis(logp, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+        def filtered(logits):
+            return sampled_logprobs(logits, tokens, self.temperature, self.top_k, self.top_p)
+
+        return jax.lax.cond(jnp.any(self.temperature > 0), filtered, model_own, logits)  # see `sample`
 
     def stopped(self, tokens):
         """tokens [B] -> [B] bool: the token is one of its row's stop ids."""

@@ -37,8 +37,19 @@ Scheduler (host, each step):
 A step runs up to two calls of the step program: its decoding rows (one token each) and its prompt chunks, each
 padded to its (rows, tokens, table width) bucket; kept apart, no decoding row pays for a chunk's length. Logits are
 projected at each row's last fed token only (all of them only for a request that asked for prompt logprobs).
+Decode bursts. When every row of a step is decoding (no prompt chunk), the step runs up to `burst_steps` decode
+steps in one dispatch: an on-device loop feeds each row's last token, draws the next exactly as a one-token step
+(the same function, key fold_in(seed, n) for the row's n-th token), and stops a row at a stop id or its
+max_tokens; the host books the tokens afterwards, step by step (events in that order), dropping any after a row's
+end, and gives back its pages. Pages for the slots of the tokens a row may feed are allocated before dispatch
+(only as many steps as the free pages cover; else a one-token step, which may preempt). The host's work per token
+(building the batch, dispatch, reading back) is paid once per burst. Latency: a new request waits for at most one
+burst before its prompt is fed (a step with a prompt chunk never bursts), and while requests wait a burst stops
+where the first row reaches max_tokens, so a row frees its place the step it would without bursts (a stop id
+mid-burst frees it at the burst's end). `step(max_burst=n)` caps a burst (EngineLoop's streaming pauses).
 Compiled programs: one per (rows, tokens, table width) bucket met, at most len(batch_buckets) x len(token_buckets)
-x len(width_buckets) (x 2 with prompt logprobs); by default rows 1, 2, 4, ... max_seqs, tokens 1, 4, 16, ...
+x len(width_buckets) (x 2 with prompt logprobs), and a burst program per (rows, table width) (its step count is
+traced); by default rows 1, 2, 4, ... max_seqs, tokens 1, 4, 16, ...
 max_step_tokens and table widths (pages) doubling from 256 tokens' worth up to max_seq_len's. A row's table is cut
 to the call's width, so attention reads (and the view gathers) the pages the rows hold, not max_seq_len slots.
 """
@@ -185,19 +196,84 @@ def _step_program(state, layers, pool: PagePool, batch: StepBatch, *, graphdef, 
         )
         last_logits, cache = out.logits[:, 0], out.cache
         target_logprobs = jnp.zeros((B, T), jnp.float32)
+    return cache.pool, _draw(last_logits, batch.sampling, batch.index, target_logprobs, invariant)
+
+
+def _draw(last_logits, sampling: SamplingParams, index, target_logprobs, invariant=False) -> StepOutput:
+    """Each row's next token from its last fed token's logits [B, V] (its own settings, key fold_in(seed, index)),
+    its log-probabilities and top alternatives: one function for the one-step and the burst programs."""
     logp = jax.nn.log_softmax(last_logits, axis=-1)
-    token = batch.sampling.sample(last_logits, batch.index)
+    token = sampling.sample(last_logits, index)
     top_logprobs, top_ids = jax.lax.top_k(logp, min(MAX_LOGPROBS, logp.shape[-1]))
-    out = StepOutput(
+    return StepOutput(
         token=token,
         logprob=jnp.take_along_axis(logp, token[:, None], axis=1)[:, 0],
-        sample_logprob=batch.sampling.logprob(last_logits, token, invariant),
+        sample_logprob=sampling.logprob(last_logits, token, invariant),
         top_ids=top_ids.astype(jnp.int32),
         top_logprobs=top_logprobs,
         target_logprobs=target_logprobs,
-        stopped=batch.sampling.stopped(token),
+        stopped=sampling.stopped(token),
     )
-    return cache.pool, out
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BurstBatch:
+    """A burst's rows (right-padded to the bucket): every row decoding, one token per step for up to `steps` steps."""
+
+    token: jax.Array  # [B] int32: each row's last token (its only uncomputed one)
+    limit: jax.Array  # [B] int32: tokens the row may emit in this burst (its pages reach that far; 0: a padding row)
+    lengths: jax.Array  # [B] int32: tokens already cached
+    table: jax.Array  # [G, B, NP] int32 as StepBatch's
+    fresh: jax.Array  # [G, F] int32 as StepBatch's
+    index: jax.Array  # [B] int32: each row's count of tokens sampled before the burst
+    steps: jax.Array  # [] int32: decode steps to run (at most the program's max_steps)
+    sampling: SamplingParams
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_steps", "invariant"), donate_argnames=("pool",))
+def _burst_program(state, layers, pool: PagePool, batch: BurstBatch, *, graphdef, max_steps: int, invariant=False):
+    """Up to `batch.steps` decode steps in one on-device loop: each step feeds every live row's last token, draws
+    its next one exactly as `_step_program` does (`_draw`, key index + step), and stops a row once it emitted a stop
+    id or its `limit`; the loop ends early when no row is live. Returns the pool, the steps run and the StepOutput
+    of each step stacked [max_steps, B, ...] (a row's entries after it stopped are not tokens: the host drops
+    them). The number of steps is traced: one program per (rows, table width) bucket, whatever the burst's length."""
+    global _traces
+    _traces += 1
+    model = nnx.merge(graphdef, state)
+    B = batch.token.shape[0]
+    cache = pool.view(batch.table, batch.lengths, batch.fresh)
+    at = jnp.zeros((B, 1), jnp.int32)
+    no_targets = jnp.zeros((B, 1), jnp.float32)
+
+    def one(cache, token, alive, i):
+        seg = alive[:, None].astype(jnp.int32)  # a stopped row feeds nothing: no K/V written, length unchanged
+        out = model.forward(
+            token[:, None], segment_ids=seg, cache=cache, logits_at=at, layers=layers, batch_invariant=invariant
+        )
+        return out.cache, _draw(out.logits[:, 0], batch.sampling, batch.index + i, no_targets, invariant)
+
+    K, top = max_steps, min(MAX_LOGPROBS, model.config.vocab_size)
+    f32 = functools.partial(jnp.zeros, dtype=jnp.float32)
+    i32 = functools.partial(jnp.zeros, dtype=jnp.int32)
+    no = jnp.zeros((K, B), bool)
+    outs = StepOutput(i32((K, B)), f32((K, B)), f32((K, B)), i32((K, B, top)), f32((K, B, top)), f32((K, B, 1)), no)
+
+    def cond(carry):
+        i, _, _, alive, _ = carry
+        return (i < batch.steps) & jnp.any(alive)
+
+    def body(carry):
+        i, cache, token, alive, outs = carry
+        cache, out = one(cache, token, alive, i)
+        outs = jax.tree.map(lambda buf, x: buf.at[i].set(x), outs, out)
+        token = jnp.where(alive, out.token, token)
+        alive = alive & ~out.stopped & (i + 1 < batch.limit)
+        return i + 1, cache, token, alive, outs
+
+    carry = (jnp.int32(0), cache, batch.token, batch.limit > 0, outs)
+    ran, cache, _, _, outs = jax.lax.while_loop(cond, body, carry)
+    return cache.pool, ran, outs
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -243,6 +319,8 @@ class Engine:
     and compute sample_logprobs one row at a time, so a token's logprobs are the bits a trainer's forward pass
     over the whole sequence in the same mode computes (RL's importance ratio exactly 1; docs/post-training.md).
     Slower decoding (attention one query at a time): off by default.
+    burst_steps: decode steps one `step()` may run on the device in one dispatch when no prompt chunk is fed
+    (1: one token per step; at most the largest token bucket).
     """
 
     def __init__(
@@ -260,6 +338,7 @@ class Engine:
         width_buckets=None,
         prefix_cache: bool = True,
         batch_invariant: bool = False,
+        burst_steps: int = 8,
     ):
         c = model.config
         self.batch_invariant = bool(batch_invariant)
@@ -277,6 +356,9 @@ class Engine:
         self.batch_buckets = self._buckets("batch_buckets", batch_buckets, _powers(2, self.max_seqs), keep_limit=True)
         self.token_buckets = self._buckets("token_buckets", token_buckets, _powers(4, self.max_step_tokens))
         self.max_chunk = self.token_buckets[-1]
+        # decode steps one dispatch may run when every row is decoding; at most a chunk's tokens, so a local group's
+        # pages of a row stay within `group_pages_needed`
+        self.burst_steps = min(_positive_int("burst_steps", burst_steps), self.max_chunk)
         self.prefix_cache = bool(prefix_cache)
         self.table_width = pages_for(c.max_seq_len, self.page_size)  # pages a row's table reaches
         # A call's page tables are as wide as its rows need (rounded up to a bucket), not max_seq_len: attention
@@ -324,6 +406,7 @@ class Engine:
         self._counts = collections.Counter()
         self._shapes = set()
         self._widths = set()  # page-table widths (pages) the step programs ran with
+        self._burst_shapes = set()  # (rows, table width) buckets the burst programs ran with
 
     def _buckets(self, name, given, default, *, keep_limit=False):
         """Sorted distinct positive sizes, each at most default[-1]; keep_limit: default[-1] is always one (the
@@ -565,6 +648,9 @@ class Engine:
             "steps": self._counts["steps"],
             "programs_compiled": self._counts["traces"],
             "program_shapes": sorted(self._shapes),
+            "burst_shapes": sorted(self._burst_shapes),
+            "bursts": self._counts["bursts"],
+            "burst_tokens": self._counts["burst_tokens"],
             "table_widths": sorted(self._widths),
             "groups": groups,
         }
@@ -574,13 +660,13 @@ class Engine:
         return np.concatenate([b.refcount for b in self._books])
 
     # ---- one step ------------------------------------------------------------------------------------------
-    def step(self) -> list:
-        """Run one engine step; returns its events (new tokens, finished and cancelled requests)."""
+    def step(self, max_burst: int | None = None) -> list:
+        """Run one engine step; returns its events (new tokens, finished and cancelled requests). A step whose rows
+        all decode may run up to min(burst_steps, max_burst) decode steps in one dispatch (a burst: several tokens
+        per request, in order)."""
         events, self._events = self._events, []
         rows = self._schedule()
-        self._counts["pages_peak"] = max(self._counts["pages_peak"], sum(b.held for b in self._books))
-        for g, book in enumerate(self._books):
-            self._counts[f"pages_peak_{g}"] = max(self._counts[f"pages_peak_{g}"], book.held)
+        self._count_peaks()
         decoding = sum(len(seq.tokens) - seq.computed <= 1 for seq, _ in rows)
         self._counts["decoding_peak"] = max(self._counts["decoding_peak"], decoding)
         if not rows:
@@ -589,6 +675,10 @@ class Engine:
             return events
         # Decoding rows and prompt chunks run as separate calls: padded to one [rows, tokens] program, every
         # decoding row would cost as much as the longest chunk.
+        burst = self._burst_length(rows, self.burst_steps if max_burst is None else min(max_burst, self.burst_steps))
+        if burst > 1:
+            events.extend(self._burst(rows, burst))
+            return events
         calls = [g for g in ([r for r in rows if r[1] == 1], [r for r in rows if r[1] > 1]) if g]
         fresh, self._fresh = self._fresh, [[] for _ in self._books]
         outputs = []
@@ -612,6 +702,63 @@ class Engine:
             out = jax.device_get(out)
             for b, (seq, n) in enumerate(group):
                 events.extend(self._advance(seq, n, b, out))
+        return events
+
+    def _count_peaks(self) -> None:
+        self._counts["pages_peak"] = max(self._counts["pages_peak"], sum(b.held for b in self._books))
+        for g, book in enumerate(self._books):
+            self._counts[f"pages_peak_{g}"] = max(self._counts[f"pages_peak_{g}"], book.held)
+
+    def _burst_length(self, rows, cap: int) -> int:
+        """Decode steps this step runs in one dispatch: 1 unless every row is decoding (its only uncomputed token is
+        its last). At most `cap`; while requests wait, no more than the fewest tokens a row has left, so a row that
+        ends by max_tokens frees its place the step it would without bursts (a stop id may end one earlier: its
+        place frees at the burst's end); and only as many steps as the free pages cover for every row."""
+        if cap < 2 or any(len(seq.tokens) - seq.computed != 1 for seq, _ in rows):
+            return 1
+        left = [seq.max_tokens - len(seq.generated) for seq, _ in rows]
+        longest = min(cap, min(left)) if self._waiting else cap
+        for k in range(longest, 1, -1):
+            need = sum(
+                pages_for(seq.computed + min(k, r), self.page_size) - len(seq.pages[0])
+                for (seq, _), r in zip(rows, left, strict=True)
+            )
+            if all(need <= book.available for book in self._books):
+                return k
+        return 1
+
+    def _burst(self, rows, k: int) -> list:
+        """Run a burst of up to k decode steps over `rows` (all decoding) and book its tokens, step by step: each
+        row's tokens after its stop id or its max_tokens are dropped, and its pages go back as it finishes."""
+        seqs = [seq for seq, _ in rows]
+        limits = [min(k, seq.max_tokens - len(seq.generated)) for seq in seqs]
+        for seq, n in zip(seqs, limits, strict=True):  # the pages for the slots of the tokens each row may feed
+            self._allocate(seq, pages_for(seq.computed + n, self.page_size) - len(seq.pages[0]))
+        self._count_peaks()
+        fresh, self._fresh = self._fresh, [[] for _ in self._books]
+        batch, shape = self._burst_batch(seqs, limits, k, fresh)
+        self._burst_shapes.add(shape)
+        before = _traces
+        self._pool, ran, out = _burst_program(
+            self._state,
+            self._layers,
+            self._pool,
+            batch,
+            graphdef=self._graphdef,
+            max_steps=self.burst_steps,
+            invariant=self.batch_invariant,
+        )
+        self._counts["traces"] += _traces - before
+        self._counts["steps"] += 1
+        self._counts["bursts"] += 1
+        ran, out = int(ran), jax.device_get(out)
+        events = []
+        for i in range(ran):
+            out_i = jax.tree.map(lambda a, i=i: a[i], out)
+            for b, seq in enumerate(seqs):
+                if seq.finish_reason is None and i < limits[b]:
+                    events.extend(self._advance(seq, 1, b, out_i))
+                    self._counts["burst_tokens"] += 1
         return events
 
     def _schedule(self) -> list:
@@ -750,13 +897,11 @@ class Engine:
         T = next(t for t in self.token_buckets if t >= max(n for _, n in rows))
         NP = next(w for w in self.width_buckets if w >= max(len(seq.pages[0]) for seq, _ in rows))
         self._widths.add(NP)
-        G = len(self._books)
-        none = np.asarray(self.group_pages, np.int32)  # each group's "no page"
         tokens = np.zeros((B, T), np.int32)
         targets = np.full((B, T), -1, np.int32)
         n_valid = np.zeros(B, np.int32)
         lengths = np.zeros(B, np.int32)
-        table = np.broadcast_to(none[:, None, None], (G, B, NP)).copy()
+        table = self._table([s for s, _ in rows], B, NP)
         index = np.zeros(B, np.int32)
         for b, (seq, n) in enumerate(rows):
             fed = seq.tokens[seq.computed : seq.computed + n]
@@ -764,27 +909,55 @@ class Engine:
             nxt = seq.tokens[seq.computed + 1 : seq.computed + n + 1]
             targets[b, : len(nxt)] = nxt
             n_valid[b], lengths[b] = n, seq.computed
+            index[b] = len(seq.generated)
+        seqs = [s for s, _ in rows]
+        sampling = self._sampling(seqs, B)
+        all_logits = any(s.want_prompt_logprobs and len(s.prompt_lp) < len(s.prompt) for s in seqs)
+        batch = StepBatch(tokens, n_valid, lengths, table, self._fresh_ids(fresh), targets, index, sampling)
+        return batch, (B, T), all_logits
+
+    def _burst_batch(self, seqs, limits, k: int, fresh) -> tuple:
+        """A burst's BurstBatch, padded to its (rows, table width) bucket, and that bucket."""
+        B = next(b for b in self.batch_buckets if b >= len(seqs))
+        NP = next(w for w in self.width_buckets if w >= max(len(seq.pages[0]) for seq in seqs))
+        self._widths.add(NP)
+        token, limit, lengths, index = (np.zeros(B, np.int32) for _ in range(4))
+        table = self._table(seqs, B, NP)
+        for b, seq in enumerate(seqs):
+            token[b], limit[b], lengths[b], index[b] = seq.tokens[-1], limits[b], seq.computed, len(seq.generated)
+        sampling = self._sampling(seqs, B)
+        batch = BurstBatch(token, limit, lengths, table, self._fresh_ids(fresh), index, np.int32(k), sampling)
+        return batch, (B, NP)
+
+    def _table(self, seqs, B: int, NP: int) -> np.ndarray:
+        """[G, B, NP] page tables of the rows (no page: the group's page count)."""
+        none = np.asarray(self.group_pages, np.int32)
+        table = np.broadcast_to(none[:, None, None], (len(self._books), B, NP)).copy()
+        for b, seq in enumerate(seqs):
             for g, pages in enumerate(seq.pages):
                 table[g, b, : len(pages)] = [none[g] if p is None else p for p in pages]
-            index[b] = len(seq.generated)
+        return table
+
+    def _fresh_ids(self, fresh) -> np.ndarray:
+        """[G, F] pages of each group handed out since the last call (padded with the group's page count)."""
+        none = np.asarray(self.group_pages, np.int32)
         F = self.max_seqs * (pages_for(self.max_chunk, self.page_size) + 1)  # the most pages one step hands out
-        fresh_ids = np.broadcast_to(none[:, None], (G, F)).copy()
+        fresh_ids = np.broadcast_to(none[:, None], (len(self._books), F)).copy()
         for g, pages in enumerate(fresh):
             if len(pages) > F:
                 raise RuntimeError(f"{len(pages)} pages handed out in one step, more than {F}")
             fresh_ids[g, : len(pages)] = pages
-        pad = B - len(rows)
-        seqs = [s for s, _ in rows]
-        sampling = SamplingParams.make(
+        return fresh_ids
+
+    def _sampling(self, seqs, B: int) -> SamplingParams:
+        pad = B - len(seqs)
+        return SamplingParams.make(
             [s.temperature for s in seqs] + [0.0] * pad,
             [s.top_k for s in seqs] + [None] * pad,
             [s.top_p for s in seqs] + [None] * pad,
             [s.seed for s in seqs] + [0] * pad,
             [s.stop for s in seqs] + [()] * pad,
         )
-        all_logits = any(s.want_prompt_logprobs and len(s.prompt_lp) < len(s.prompt) for s in seqs)
-        batch = StepBatch(tokens, n_valid, lengths, table, fresh_ids, targets, index, sampling)
-        return batch, (B, T), all_logits
 
     def _advance(self, seq, n: int, b: int, out: StepOutput) -> list:
         """Book a row's step: its K/V are in its pages (full pages join the prefix cache), its prompt logprobs, and

@@ -7,9 +7,9 @@ and streams engine requests exactly as it runs plain and speculative decoding.
 
 The loop's unit (`until`, `clock`) is tokens, as for plain decoding: start(until) submits the prompts and runs
 engine steps until every request has emitted `until` tokens or finished; step runs one engine step; resume(s,
-until) continues. Other requests already in the engine are scheduled alongside (and run by the same steps); the
-loop's state reports only its own. Each request's tokens are the engine's: greedy ones equal `generate` of that
-prompt alone.
+until) continues, its decode bursts (several tokens per engine step) cut so as not to run past `until`. Other
+requests already in the engine are scheduled alongside (and run by the same steps); the loop's state reports only
+its own. Each request's tokens are the engine's: greedy ones equal `generate` of that prompt alone.
 """
 
 from __future__ import annotations
@@ -52,13 +52,13 @@ class EngineLoop:
         s = EngineState(ids, np.full((B, self.limit), -1, np.int32), np.zeros(B, np.int64), np.zeros(B, bool), 0)
         return self.resume(self._seen(s, 0), until)
 
-    def step(self, s: EngineState) -> EngineState:
-        self.engine.step()
+    def step(self, s: EngineState, max_burst: int | None = None) -> EngineState:
+        self.engine.step(max_burst=max_burst)
         return self._seen(s, s.steps + 1)
 
     def resume(self, s: EngineState, until: int) -> EngineState:
         while not s.done.all() and self._clock(s) < until:
-            s = self.step(s)
+            s = self.step(s, max_burst=until - self._clock(s))  # a decode burst stops where the caller pauses
         return s
 
     def progress(self, s: EngineState) -> Progress:
