@@ -247,7 +247,7 @@ def test_decode_bursts_change_no_token_and_end_on_time():
     model = tiny_model(CONFIGS["gqa"])
     rng = np.random.default_rng(12)
     prompts = [rng.integers(0, V, int(rng.integers(17, 33))).tolist() for _ in range(12)]
-    engine = small_engine(model)
+    engine = small_engine(model, burst_steps=8)
 
     # requests waiting for a row: each burst stops where the first running row reaches its max_tokens
     ids = [engine.submit(p, max_tokens=MAX_NEW - i % 3) for i, p in enumerate(prompts[:8])]  # 6 rows: two wait

@@ -182,7 +182,7 @@ def bench_serve(
     max_seqs: int = 16,
     page_size: int = 16,
     max_step_tokens: int = 256,
-    burst_steps: int = 8,
+    burst_steps: int = 1,
     baselines: bool = True,
     peer: bool = True,
     seed: int = 0,

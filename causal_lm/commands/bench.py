@@ -100,7 +100,7 @@ def register(sub):
     s.add_argument("--page-size", type=int, default=16, help="engine page size (default 16)")
     s.add_argument("--max-step-tokens", type=int, default=256, help="engine tokens per step (default 256)")
     s.add_argument(
-        "--burst-steps", type=int, default=8, help="engine decode steps per dispatch when all rows decode (default 8)"
+        "--burst-steps", type=int, default=1, help="engine decode steps per dispatch when all rows decode (default 1)"
     )
     s.set_defaults(func=run_serve)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])

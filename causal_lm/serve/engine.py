@@ -320,7 +320,8 @@ class Engine:
     over the whole sequence in the same mode computes (RL's importance ratio exactly 1; docs/post-training.md).
     Slower decoding (attention one query at a time): off by default.
     burst_steps: decode steps one `step()` may run on the device in one dispatch when no prompt chunk is fed
-    (1: one token per step; at most the largest token bucket).
+    (default 1, one token per step: on a CPU a step inside the on-device loop costs more than the host work it
+    saves, docs/performance.md; at most the largest token bucket).
     """
 
     def __init__(
@@ -338,7 +339,7 @@ class Engine:
         width_buckets=None,
         prefix_cache: bool = True,
         batch_invariant: bool = False,
-        burst_steps: int = 8,
+        burst_steps: int = 1,
     ):
         c = model.config
         self.batch_invariant = bool(batch_invariant)
