@@ -961,4 +961,13 @@ MUTANTS = [
         tests=["tests/test_docs_links.py::test_the_docs_runner_reports_what_fails"],
         why="a docs snippet that raises passes its test: the one-process runner reports it as exit status 0",
     ),
+    dict(
+        name="init-draw-split-from-its-scale",
+        file="causal_lm/model/layers.py",
+        old="return nnx.Param(_scaled_normal(rngs.params(), std, tuple(shape), jnp.dtype(dtype)))",
+        new="return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32).astype(dtype)"
+        " * jnp.asarray(std, dtype))",
+        tests=["tests/test_parallel.py::test_sharded_initialisation_equals_one_device"],
+        why="the eager build and a jitted (sharded) initialisation round the scaled draw differently: 1 ulp apart",
+    ),
 ]
