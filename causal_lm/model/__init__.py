@@ -16,6 +16,7 @@ Module map (where to add what):
     transformer.py   Block, Decoder (embed -> scanned blocks -> logits), ModelOutput
     functional.py    jitted pure entry point over a split model
     weights.py       check_weights: NaN / infinite (or absurdly large) parameters refused before compute
+    native.py        C++ CPU kernels (csrc/*.cc) through XLA's FFI, compiled on first use; XLA forms elsewhere
 """
 
 from causal_lm.model.kernels import attention, attention_weights, reference_attention
