@@ -19,6 +19,11 @@ positions of the slots it reads; nothing outside this module does page arithmeti
 Each layer's call writes the new tokens through the page table (page = table[b, p // page_size], offset
 p % page_size) and reads the row's pages back as the [B, NP * page_size] slot view the attention kernels
 consume: slot s of that view holds position s, or -1 where the row has no page or the page's slot is empty.
+A decode call (a few queries) on the CPU skips that copy: `write` stores the new tokens and `attend` runs the C++
+kernel csrc/paged_attention.cc, which reads each visible key and value where it lies in the pool through the page
+table, under the same [B, T, NP * page_size] mask (computed in JAX from `key_positions`); it is the XLA form's
+function (tests/test_paged_attention.py) and the XLA form stays wherever the kernel does not apply
+(`attends_in_place`).
 Local (sliding-window) layers are paged like global ones and their mask hides what lies outside the window; the
 engine returns a local group's pages wholly outside it (their table entries become "no page").
 
@@ -152,6 +157,7 @@ class PagedKVCache:
 
     bounded = True
     copies_keys = True  # `update` returns a gathered copy of each row's pages (the kernels may lay it out freely)
+    # `attends_in_place(q)` / `write` + `attend`: the decode path that reads the pages in place (module docstring)
 
     def check_matches(self, config: ModelConfig) -> None:
         """CacheError naming the first field in which the pool differs from what init_pool builds for `config`
