@@ -588,6 +588,14 @@ MUTANTS = [
         "every other kernel uses",
     ),
     dict(
+        name="paged-attention-int8-values-without-scale",
+        file="causal_lm/model/csrc/paged_attention.cc",
+        old="Axpy(vs ? w[i] * vs[at] : w[i], v + at * d.Hv, acc.data(), d.Hv);",
+        new="Axpy(w[i], v + at * d.Hv, acc.data(), d.Hv);",
+        tests=["tests/test_paged_attention.py::test_kernel_equals_gathered_xla_attention[mha-int8]"],
+        why="int8 values summed without their per-token scales",
+    ),
+    dict(
         name="paged-attention-reads-layer-0",
         file="causal_lm/model/paged_cache.py",
         old="jnp.asarray(i, jnp.int32),",
