@@ -531,8 +531,12 @@ MUTANTS = [
         file="causal_lm/model/paged_cache.py",
         old='stored = stored.astype(jnp.float32) * self._gather(g, arrays[n + "_scale"][i], fill=0)[..., None]',
         new="stored = stored.astype(jnp.float32)",
-        tests=["tests/test_engine.py::test_exact_under_churn_int8"],
-        why="int8 pages read back without their per-token scales",
+        tests=[
+            "tests/test_engine.py::test_exact_under_churn_int8",
+            "tests/test_paged_attention.py::test_kernel_equals_gathered_xla_attention[mha-int8]",
+        ],
+        why="int8 pages read back without their per-token scales (by the gathered XLA form: the engine's decode "
+        "steps on a CPU read them with the C++ kernel, which test_paged_attention holds equal to this form)",
     ),
     dict(
         name="preemption-forgets-emitted-tokens",
