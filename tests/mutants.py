@@ -531,8 +531,12 @@ MUTANTS = [
         file="causal_lm/model/paged_cache.py",
         old='stored = stored.astype(jnp.float32) * self._gather(g, arrays[n + "_scale"][i], fill=0)[..., None]',
         new="stored = stored.astype(jnp.float32)",
-        tests=["tests/test_engine.py::test_exact_under_churn_int8"],
-        why="int8 pages read back without their per-token scales",
+        tests=[
+            "tests/test_engine.py::test_exact_under_churn_int8",
+            "tests/test_paged_attention.py::test_kernel_equals_gathered_xla_attention[mha-int8]",
+        ],
+        why="int8 pages read back without their per-token scales (by the gathered XLA form: the engine's decode "
+        "steps on a CPU read them with the C++ kernel, which test_paged_attention holds equal to this form)",
     ),
     dict(
         name="preemption-forgets-emitted-tokens",
@@ -559,6 +563,49 @@ MUTANTS = [
         tests=["tests/test_engine.py::test_decode_bursts_change_no_token_and_end_on_time"],
         why="a decode burst's pages cover one slot too few: the K/V of a row's last fed token is dropped when it "
         "starts a page (it does not even see itself)",
+    ),
+    # ---- decode attention reading the pages in place (csrc/paged_attention.cc) --------------------------------
+    dict(
+        name="paged-attention-page-boundary-off-by-one",
+        file="causal_lm/model/csrc/paged_attention.cc",
+        old="const int32_t page = table[b * d.NP + s / d.ps];",
+        new="const int32_t page = table[b * d.NP + (s + 1) / d.ps];",
+        tests=["tests/test_paged_attention.py::test_kernel_equals_gathered_xla_attention[gqa-float32]"],
+        why="the kernel maps a slot to its page one slot early: each page's last key is read from the next page",
+    ),
+    dict(
+        name="paged-attention-reads-masked-key",
+        file="causal_lm/model/csrc/paged_attention.cc",
+        old="w[i] = vis[cols[i]] ? std::exp(w[i] - m) : 0.0;",
+        new="w[i] = std::exp(w[i] - m);",
+        tests=["tests/test_paged_attention.py::test_kernel_equals_gathered_xla_attention[gqa-float32]"],
+        why="a key that one query of the row may see joins the softmax of another query that may not (a later "
+        "token of a chunk seen by an earlier one)",
+    ),
+    dict(
+        name="paged-attention-head-grouping",
+        file="causal_lm/model/csrc/paged_attention.cc",
+        old="const float* qv = q + ((b * d.T + t) * d.N + kh * d.G + g) * d.H;",
+        new="const float* qv = q + ((b * d.T + t) * d.N + g * d.K + kh) * d.H;",
+        tests=["tests/test_paged_attention.py::test_kernel_equals_gathered_xla_attention[gqa-float32]"],
+        why="query heads grouped onto KV heads by stride (n % K) instead of by block (n / K), the GQA convention "
+        "every other kernel uses",
+    ),
+    dict(
+        name="paged-attention-int8-values-without-scale",
+        file="causal_lm/model/csrc/paged_attention.cc",
+        old="Axpy(vs ? w[i] * vs[at] : w[i], v + at * d.Hv, acc.data(), d.Hv);",
+        new="Axpy(w[i], v + at * d.Hv, acc.data(), d.Hv);",
+        tests=["tests/test_paged_attention.py::test_kernel_equals_gathered_xla_attention[mha-int8]"],
+        why="int8 values summed without their per-token scales",
+    ),
+    dict(
+        name="paged-attention-reads-layer-0",
+        file="causal_lm/model/paged_cache.py",
+        old="jnp.asarray(i, jnp.int32),",
+        new="jnp.asarray(0, jnp.int32),",
+        tests=["tests/test_paged_attention.py::test_kernel_equals_gathered_xla_attention[gqa-float32]"],
+        why="every layer's attention reads the first layer's pages of the stacked pool",
     ),
     dict(
         name="burst-keeps-tokens-after-a-finish",

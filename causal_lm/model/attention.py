@@ -124,20 +124,33 @@ class Attention(nnx.Module):
         Without a cache the keys are the call's own tokens; with one, the new K/V are written into layer `layer`
         and the queries attend over what the cache holds for it (the mask hides empty slots)."""
         c = self.config
-        dt = jnp.dtype(c.dtype)
         cos, sin = ctx.rope_for(layer)
         q, k, v = self._products(x)
         q = self._finish_q(q, cos, sin)  # [B, T, N, H]
         k, v = self._finish_kv(k, v, cos, sin)  # [B, T, K, H]
+        sink = self.sink[...] if c.attn_sink else None
+        mask = ctx.mask_for(layer)
+        if cache is not None and self._reads_pages_in_place(cache, q, mask, ctx):
+            # A decode step over a paged cache on the CPU: the C++ kernel reads K/V where they lie in the pool
+            # instead of gathering each row's pages into a copy first (paged_cache.PagedKVCache.attend).
+            cache = cache.write(layer, {"k": k, "v": v}, ctx.plan)
+            out = cache.attend(
+                layer,
+                q,
+                mask.visible,
+                scale=c.score_scale,
+                sink=sink,
+                softcap=c.attn_softcap or None,
+            ).astype(v.dtype)
+            return self._output(x, out), cache, None
         if cache is not None:
             cache, kv = cache.update(layer, {"k": k, "v": v}, ctx.plan)
             k, v = kv["k"], kv["v"]  # [B, S, K, H]
-        sink = self.sink[...] if c.attn_sink else None
         out, weights = attention(
             q,
             k,
             v,
-            ctx.mask_for(layer),
+            mask,
             impl=c.attention_impl,
             scale=c.score_scale,
             sink=sink,
@@ -146,8 +159,27 @@ class Attention(nnx.Module):
             keys_copied=getattr(cache, "copies_keys", False),
             invariant=ctx.invariant,
         )  # [B, T, N, H]
+        return self._output(x, out), cache, weights
+
+    def _reads_pages_in_place(self, cache, q, mask, ctx: AttentionContext) -> bool:
+        """Whether this call's attention is the paged cache's in-place kernel: the cache offers it for these
+        queries, and nothing asks for what only the XLA kernels give (the weights, the batch-invariant mode, the
+        zero-after-softmax variant, a named fused backend)."""
+        attends = getattr(cache, "attends_in_place", None)
+        return (
+            attends is not None
+            and not ctx.return_weights
+            and not ctx.invariant
+            and mask.zero_after is None
+            and self.config.attention_impl in ("auto", "xla")
+            and attends(q)
+        )
+
+    def _output(self, x, out):
+        """The attention output [B, T, N, H] through the output gate and projection -> [B, T, D]."""
+        c = self.config
+        dt = jnp.dtype(c.dtype)
         if c.attn_output_gate:
             gate = jax.nn.sigmoid(project(x, self.wg[...].astype(dt)).astype(jnp.float32))
             out = (out.astype(jnp.float32) * gate).astype(dt)
-        out = checkpoint_name(project(out.astype(dt), self.wo[...].astype(dt), n_in=2), "attn_o")  # [B, T, D]
-        return out, cache, weights
+        return checkpoint_name(project(out.astype(dt), self.wo[...].astype(dt), n_in=2), "attn_o")  # [B, T, D]

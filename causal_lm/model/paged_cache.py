@@ -19,6 +19,11 @@ positions of the slots it reads; nothing outside this module does page arithmeti
 Each layer's call writes the new tokens through the page table (page = table[b, p // page_size], offset
 p % page_size) and reads the row's pages back as the [B, NP * page_size] slot view the attention kernels
 consume: slot s of that view holds position s, or -1 where the row has no page or the page's slot is empty.
+A decode call (a few queries) on the CPU skips that copy: `write` stores the new tokens and `attend` runs the C++
+kernel csrc/paged_attention.cc, which reads each visible key and value where it lies in the pool through the page
+table, under the same [B, T, NP * page_size] mask (computed in JAX from `key_positions`); it is the XLA form's
+function (tests/test_paged_attention.py) and the XLA form stays wherever the kernel does not apply
+(`attends_in_place`).
 Local (sliding-window) layers are paged like global ones and their mask hides what lies outside the window; the
 engine returns a local group's pages wholly outside it (their table entries become "no page").
 
@@ -38,6 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from causal_lm.config import ModelConfig
+from causal_lm.model import native
+from causal_lm.model.kernels import FEW_QUERIES
 from causal_lm.model.kv_cache import (
     CACHE_DTYPES,
     CacheError,
@@ -47,6 +54,9 @@ from causal_lm.model.kv_cache import (
     refuse_mismatch,
     require_causal,
 )
+
+PAGED_ATTENTION = "paged_attention"  # csrc/paged_attention.cc: decode attention reading the pages in place
+PAGED_ATTENTION_TARGET = "causal_lm_paged_attention"
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -147,6 +157,7 @@ class PagedKVCache:
 
     bounded = True
     copies_keys = True  # `update` returns a gathered copy of each row's pages (the kernels may lay it out freely)
+    # `attends_in_place(q)` / `write` + `attend`: the decode path that reads the pages in place (module docstring)
 
     def check_matches(self, config: ModelConfig) -> None:
         """CacheError naming the first field in which the pool differs from what init_pool builds for `config`
@@ -223,24 +234,76 @@ class PagedKVCache:
     def update(self, layer, new: dict, plan: PagedWrite):
         """Write layer `layer`'s new entries (name -> [B, T, ...]) into their pages and return (new cache, the
         row's slot view name -> [B, NP * page_size, ...] in the new entries' dtype)."""
+        cache = self.write(layer, new, plan)
+        g, i = self.locate(layer)
+        arrays = cache.pool.groups[g].arrays
+        keys = {}
+        for n in self.pool.names:
+            stored = self._gather(g, arrays[n][i], fill=0)
+            if CACHE_DTYPES[self.pool.storage] is not None:
+                stored = stored.astype(jnp.float32) * self._gather(g, arrays[n + "_scale"][i], fill=0)[..., None]
+            keys[n] = stored.astype(new[n].dtype)
+        return cache, keys
+
+    def write(self, layer, new: dict, plan: PagedWrite) -> PagedKVCache:
+        """The cache with layer `layer`'s new entries (name -> [B, T, ...]) written into their pages (quantized if
+        the storage is), in place in the pool: a scatter into the stacked [Lg, Pg, ...] arrays."""
         g, i = self.locate(layer)
         group = self.pool.groups[g]
         arrays = dict(group.arrays)
         limit = CACHE_DTYPES[self.pool.storage]
-        keys = {}
         for n in self.pool.names:
             x = new[n]
             if limit is not None:
                 x, scale = quantize(x, limit, arrays[n].dtype)
                 arrays[n + "_scale"] = arrays[n + "_scale"].at[i, plan.page[g], plan.offset].set(scale, mode="drop")
             arrays[n] = arrays[n].at[i, plan.page[g], plan.offset].set(x.astype(arrays[n].dtype), mode="drop")
-            stored = self._gather(g, arrays[n][i], fill=0)
-            if limit is not None:
-                stored = stored.astype(jnp.float32) * self._gather(g, arrays[n + "_scale"][i], fill=0)[..., None]
-            keys[n] = stored.astype(new[n].dtype)
         groups = list(self.pool.groups)
         groups[g] = dataclasses.replace(group, arrays=arrays)
-        return dataclasses.replace(self, pool=dataclasses.replace(self.pool, groups=tuple(groups))), keys
+        return dataclasses.replace(self, pool=dataclasses.replace(self.pool, groups=tuple(groups)))
+
+    def attends_in_place(self, q) -> bool:
+        """Whether `attend` can compute attention for queries q [B, T, N, H] here (static facts only): a few
+        queries (decode), K/V storage (float32 or int8) read by the C++ kernel `csrc/paged_attention.cc`, on the
+        CPU with the kernel built. Elsewhere (MLA's latent, bfloat16 / float8 storage, GPU/TPU,
+        `CAUSAL_LM_NATIVE=0`) the caller gathers the pages with `update` and uses the XLA kernels."""
+        return (
+            tuple(self.pool.names) == ("k", "v")
+            and self.pool.storage in ("float32", "int8")
+            and q.dtype == jnp.float32
+            and q.shape[1] <= FEW_QUERIES
+            and native.on_cpu()
+            and native.available(PAGED_ATTENTION, (PAGED_ATTENTION_TARGET,))
+        )
+
+    def attend(self, layer, q, visible, *, scale: float, sink=None, softcap=None):
+        """Attention of q [B, T, N, H] over layer `layer`'s pages, read in place through the page table (after
+        `write`): out [B, T, N, Hv] float32, the function of kernels.reference_attention over `update`'s slot view
+        under the mask `visible` [B, T, NP * page_size] (the one mask function's output), with optional sink
+        logits [N] and softcap. Only where `attends_in_place(q)`."""
+        g, i = self.locate(layer)
+        arrays = self.pool.groups[g].arrays
+        k, v = arrays["k"], arrays["v"]
+        B, T, N, _ = q.shape
+        if CACHE_DTYPES[self.pool.storage] is not None:
+            k_scale, v_scale = arrays["k_scale"], arrays["v_scale"]
+        else:
+            k_scale = v_scale = jnp.zeros((1,), jnp.float32)
+        call = jax.ffi.ffi_call(PAGED_ATTENTION_TARGET, jax.ShapeDtypeStruct((B, T, N, v.shape[-1]), jnp.float32))
+        return call(
+            q,
+            k,
+            v,
+            k_scale,
+            v_scale,
+            jnp.asarray(i, jnp.int32),
+            self.table[g],
+            visible,
+            jnp.zeros((N,), jnp.float32) if sink is None else sink.astype(jnp.float32),
+            scale=np.float32(scale),
+            softcap=np.float32(softcap or 0.0),
+            has_sink=np.int32(sink is not None),
+        )
 
     def commit(self, plan: PagedWrite) -> PagedKVCache:
         """The cache after the call: the pool's new slot positions and the rows' new lengths."""
