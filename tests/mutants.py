@@ -943,7 +943,7 @@ MUTANTS = [
         old="      for (int b = 0; b < NB; ++b) part[r][b] = _mm256_setzero_ps();",
         new="      for (int b = 0; b < NB; ++b) part[r][b] = G ? part[r][b] : _mm256_setzero_ps();",
         tests=["tests/test_matvec.py::test_quantized_kernels_equal_the_dequantized_float_product[64-70-int8-g16]"],
-        why="a group's partial sums are not reset at the group boundary: each group's scale multiplies the earlier ones",
+        why="a group's partial sums not reset at the group boundary: each group's scale multiplies the earlier ones",
     ),
     dict(
         name="matvec-drops-the-output-tail",
