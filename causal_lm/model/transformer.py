@@ -76,6 +76,7 @@ class DecodeLayers:
     graphdef: nnx.GraphDef = dataclasses.field(metadata=dict(static=True))
     states: list
     head: object = None  # the output head in the kernels' output-major layout, where the model's own is not
+    native: bool = dataclasses.field(default=False, metadata=dict(static=True))  # laid out for the C++ kernels
 
     def __len__(self) -> int:
         return len(self.states)
@@ -343,7 +344,13 @@ class Decoder(nnx.Module):
         rows = x.shape[0] * x.shape[1]
         if layers is not None and layers.head is not None:  # the decode form's output-major head
             logits = project(x, layers.head, preferred_element_type=jnp.float32)
-        elif c.tie_embeddings and not hasattr(table, "matmul") and matvec.native_here(rows, x.dtype, table.dtype):
+        elif (
+            layers is not None
+            and layers.native
+            and c.tie_embeddings
+            and not hasattr(table, "matmul")
+            and matvec.native_here(rows, x.dtype, table.dtype)
+        ):
             logits = matvec.project_table(x, table)  # decoding on a CPU: the [V, D] table read in place as the head
         else:
             head = table.T if c.tie_embeddings else self.lm_head[...]
@@ -423,7 +430,8 @@ class Decoder(nnx.Module):
                 fused.append(s)
             graphdef, states = graphdef_fused, fused
         head = None
-        if fuse and native and jnp.dtype(self.config.dtype) == jnp.float32 and matvec.usable():
+        native = bool(fuse and native and jnp.dtype(self.config.dtype) == jnp.float32 and matvec.usable())
+        if native:
             native_states = []
             for s in states:
                 block = nnx.merge(graphdef, s)
@@ -437,7 +445,7 @@ class Decoder(nnx.Module):
                 head = w.out_major() if hasattr(w, "out_major") else matvec.out_major(w, 1)
             elif hasattr(table, "matmul"):  # a quantized table, stored as the input-major head
                 head = table.T.out_major()
-        return DecodeLayers(graphdef, states, head)
+        return DecodeLayers(graphdef, states, head, native)
 
     def _run_blocks(self, x, ctx: AttentionContext, cache, layers, return_hidden):
         """(x, cache, weights [L, ...] or None, block outputs [L, B, T, D] or None)."""
