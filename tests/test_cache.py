@@ -43,15 +43,17 @@ def stored(cache, name="k"):
 
 
 def assert_cache_equals_recompute(model, prompts=PROMPTS, new=NEW, **kw):
-    """Cached generation vs recomputation of the whole sequence: every step's logits (atol 1e-5) and the
+    """Cached generation vs recomputation of the whole sequence: every step's logits (atol 1.5e-5) and the
     greedy tokens. The recompute reference is a full forward pass over the final sequence, which by prefix
-    equivalence (tests/test_model.py) is what recomputing at every step produces."""
+    equivalence (tests/test_model.py) is what recomputing at every step produces. On a CPU the cached steps run
+    the C++ decode products (model/matvec.py) and the reference XLA's matmul: two summation orders, ~1e-5 apart
+    at most on these logits."""
     res = generate(model, prompts, max_new_tokens=new, return_logits=True, **kw)
     for r, prompt in enumerate(prompts):
         toks = res.tokens[r]
         assert len(toks) == new
         ref = teacher_forced(model, prompt, toks)
-        np.testing.assert_allclose(res.logits[r], ref, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(res.logits[r], ref, atol=1.5e-5, rtol=0)
         assert toks == ref.argmax(-1).tolist(), "greedy tokens differ from full recomputation"
     return res
 

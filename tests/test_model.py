@@ -561,13 +561,13 @@ def test_decode_form_fuses_the_products_and_gives_the_same_logits():
     model = build_model(c, seed=3)
     init = jax.tree.map(lambda a: a + 0.1, nnx.state(model, nnx.Param))  # non-zero biases and norm gains
     nnx.update(model, init)
-    fused = model.split_layers()
+    fused = model.split_layers(native=False)  # the XLA layout; native=True: the same, output-major (test_matvec)
     attn, mlp = fused[0]["attn"], fused[0]["mlp"]
     assert "wqkv" in attn and not {"wq", "wk", "wv"} & set(attn), sorted(attn)
     assert "w_gate_up" in mlp and not {"w_gate", "w_up"} & set(mlp), sorted(mlp)
     assert attn["wqkv"][...].shape == (c.d_model, (c.num_heads + 2 * c.num_kv_heads) * c.head_dim)
     tokens = np.random.default_rng(0).integers(0, c.vocab_size, (2, 7))
     want, _ = model(tokens, cache=causal_lm.init_cache(c, 2, 16))
-    for layers in (fused, model.split_layers(fuse=False)):
+    for layers in (fused, model.split_layers(), model.split_layers(fuse=False)):
         got, _ = model(tokens, cache=causal_lm.init_cache(c, 2, 16), layers=layers)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=1e-5)

@@ -13,6 +13,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from causal_lm.config import ModelConfig
+from causal_lm.model import matvec
 
 _row_wise = threading.local()
 
@@ -52,9 +53,9 @@ def project(x, w, n_in: int = 1, preferred_element_type=None):
     Inside `row_wise()`: one row at a time.
     """
     if getattr(_row_wise, "on", False) and not hasattr(w, "matmul"):
-        with row_wise(False):
+        with row_wise(False), matvec.native_products(False):
             return _one_row_at_a_time(lambda r: project(r, w, n_in, preferred_element_type), x, n_in)
-    if hasattr(w, "matmul"):  # a quantized weight (model/quant.py): its product reads the quantized bytes
+    if hasattr(w, "matmul"):  # a quantized weight (quant.py) or the decode form's output-major one (matvec.py)
         return w.matmul(x, n_in, preferred_element_type)
     in_shape, out_shape = w.shape[:n_in], w.shape[n_in:]
     lead = x.shape[: x.ndim - n_in]

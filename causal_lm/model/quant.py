@@ -38,6 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from causal_lm.model import matvec
+
 FORMATS = ("int8", "int4")
 WEIGHTS = ("float32",) + FORMATS  # model.weights: float32 = the unquantized parameters (in model.param_dtype)
 DEFAULT_GROUP = {"int8": 0, "int4": 32}  # 0: one group over the whole input (int8 per output channel)
@@ -92,6 +94,9 @@ class QArray:
     in_shape: tuple = dataclasses.field(metadata=dict(static=True))
     out_shape: tuple = dataclasses.field(metadata=dict(static=True))
     dtype: str = dataclasses.field(default="float32", metadata=dict(static=True))  # the compute dtype
+    # "in": the storage above; "out": output-major for the C++ decode kernels (matvec.py): int8 data [NO, NI],
+    # int4 data [NO, G, g/2] (the same bytes per group), scale / minimum [NO, G]
+    major: str = dataclasses.field(default="in", metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple:
@@ -109,8 +114,26 @@ class QArray:
         """The same bytes; products computed in `dtype` (the layers' `w[...].astype(dt)`)."""
         return dataclasses.replace(self, dtype=jnp.dtype(dtype).name)
 
+    def out_major(self) -> QArray:
+        """The same values stored output-major (the decode form for the C++ kernels)."""
+        if self.major == "out":
+            return self
+        data = self.data.T if self.bits == 8 else jnp.transpose(self.data, (2, 0, 1))  # [NO, NI] / [NO, G, g/2]
+        minimum = None if self.minimum is None else self.minimum.T
+        return dataclasses.replace(self, data=data, scale=self.scale.T, minimum=minimum, major="out")
+
+    def in_major(self) -> QArray:
+        """The same values in the storage of the module docstring."""
+        if self.major == "in":
+            return self
+        data = self.data.T if self.bits == 8 else jnp.transpose(self.data, (1, 2, 0))
+        minimum = None if self.minimum is None else self.minimum.T
+        return dataclasses.replace(self, data=data, scale=self.scale.T, minimum=minimum, major="in")
+
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         """The float weight [*in, *out] these bytes stand for (exactly the formula in the module docstring)."""
+        if self.major == "out":
+            return self.in_major().dequantize(dtype)
         NI, NO, g = self.size_in, self.size_out, self.group
         scale = self.scale[:, None, :]  # [G, 1, NO]
         if self.bits == 8:
@@ -128,6 +151,11 @@ class QArray:
         NI, NO, g = self.size_in, self.size_out, self.group
         rows = math.prod(lead)
         x2 = x.reshape(rows, NI)
+        if self.major == "out":  # the decode form (matvec.py): the C++ kernel reads the stored bytes
+            if jnp.dtype(out_dtype) == jnp.float32 and matvec.native_here(rows, x.dtype, self.dtype):
+                y = matvec.matvec_quantized(x2.astype(jnp.float32), self.data, self.scale, self.minimum)
+                return y.reshape(lead + self.out_shape)
+            return self.in_major().matmul(x, n_in, preferred_element_type)
         if rows > REDUCE_MAX_ROWS or NO > WIDE_OUT:
             y = jnp.matmul(
                 x2.astype(self.dtype), self.dequantize(self.dtype).reshape(NI, NO), preferred_element_type=out_dtype
@@ -246,7 +274,8 @@ class QuantizedWeight(nnx.Module):
     """What replaces a weight's nnx.Param in a quantized model: the stored arrays (`data`, `scale`, and `minimum`
     for int4 with minimums) as parameters, any leading stacked-layer axis first. `self.w[...]` gives the QArray."""
 
-    def __init__(self, data, scale, minimum, *, bits, group, in_shape, out_shape, embed=False):
+    def __init__(self, data, scale, minimum, *, bits, group, in_shape, out_shape, embed=False, major="in"):
+        self.major = major
         self.data = nnx.Param(data)
         self.scale = nnx.Param(scale)
         if minimum is not None:
@@ -259,7 +288,24 @@ class QuantizedWeight(nnx.Module):
             raise TypeError("a quantized weight is read whole: w[...]")
         minimum = self.minimum[...] if hasattr(self, "minimum") else None
         cls = EmbedQArray if self.embed else QArray
-        return cls(self.data[...], self.scale[...], minimum, self.bits, self.group, self.in_shape, self.out_shape)
+        major = getattr(self, "major", "in")
+        return cls(
+            self.data[...], self.scale[...], minimum, self.bits, self.group, self.in_shape, self.out_shape, major=major
+        )
+
+    def out_major(self) -> QuantizedWeight:
+        """This weight stored output-major (QArray.out_major): the decode form for the C++ kernels (matvec.py)."""
+        q = self[...].out_major()
+        return QuantizedWeight(
+            q.data,
+            q.scale,
+            q.minimum,
+            bits=q.bits,
+            group=q.group,
+            in_shape=q.in_shape,
+            out_shape=q.out_shape,
+            major="out",
+        )
 
 
 def _quantized(w, n_in: int, bits: int, group: int, minimums: bool, stacked: bool, name: str, embed=False):

@@ -19,13 +19,14 @@ import numpy as np
 from flax import nnx
 
 from causal_lm.config import ModelConfig
+from causal_lm.model import matvec
 from causal_lm.model.attention import Attention
 from causal_lm.model.context import AttentionContext
 from causal_lm.model.kv_cache import KVCache, check_cache_matches, check_capacity, require_causal
 from causal_lm.model.layers import MLP, norm, normal_param, project, row_wise
 from causal_lm.model.mask import AttentionMask, increasing_within_segments, make_mask, segment_positions
 from causal_lm.model.mla import MLAttention
-from causal_lm.model.quant import lookup, quantize
+from causal_lm.model.quant import QUANTIZED, QuantizedWeight, lookup, quantize
 from causal_lm.model.rope import layer_rope_tables
 from causal_lm.model.weights import check_weights
 
@@ -74,12 +75,32 @@ class DecodeLayers:
 
     graphdef: nnx.GraphDef = dataclasses.field(metadata=dict(static=True))
     states: list
+    head: object = None  # the output head in the kernels' output-major layout, where the model's own is not
+    native: bool = dataclasses.field(default=False, metadata=dict(static=True))  # laid out for the C++ kernels
 
     def __len__(self) -> int:
         return len(self.states)
 
     def __getitem__(self, i):
         return self.states[i]
+
+
+_FUSED = {"wqkv": 1, "w_gate_up": 1}  # the decode form's concatenated weights (`fuse_products`), n_in
+
+
+def _kernel_layout(block) -> None:
+    """Each projection weight of a block's decode form stored output-major for the C++ kernels (matvec.py):
+    float32 ones as `OutMajorWeight`, quantized ones as `QuantizedWeight.out_major()`."""
+    for _, module in list(nnx.iter_graph(block)):
+        if not isinstance(module, nnx.Module):
+            continue
+        names = {**QUANTIZED.get(type(module).__name__, {}), **_FUSED}
+        for name, n_in in names.items():
+            w = vars(module).get(name)
+            if isinstance(w, QuantizedWeight):
+                setattr(module, name, w.out_major())
+            elif isinstance(w, nnx.Param) and jnp.dtype(w[...].dtype) == jnp.float32:
+                setattr(module, name, matvec.OutMajorWeight(w[...], n_in))
 
 
 class Block(nnx.Module):
@@ -248,7 +269,8 @@ class Decoder(nnx.Module):
         if not isinstance(self.embed[...], jax.core.Tracer):
             check_weights(self)
         invariant = bool(batch_invariant)
-        with row_wise(invariant):
+        # Decoding (a cache, not the batch-invariant mode): small products through the C++ kernels (model/matvec.py).
+        with row_wise(invariant), matvec.native_products(cache is not None and not invariant):
             return self._forward(
                 tokens,
                 positions,
@@ -318,8 +340,21 @@ class Decoder(nnx.Module):
             at = jnp.clip(jnp.asarray(logits_at, jnp.int32), 0, T - 1)  # indices the caller computed, inside T
             x = jnp.take_along_axis(x, at[..., None], axis=1)  # [B, K, D]
         x = self.final_norm(x)
-        head = self.embed[...].T if c.tie_embeddings else self.lm_head[...]
-        logits = project(x, head.astype(dt), preferred_element_type=jnp.float32)  # [B, T, V]
+        table = self.embed[...]
+        rows = x.shape[0] * x.shape[1]
+        if layers is not None and layers.head is not None:  # the decode form's output-major head
+            logits = project(x, layers.head, preferred_element_type=jnp.float32)
+        elif (
+            layers is not None
+            and layers.native
+            and c.tie_embeddings
+            and not hasattr(table, "matmul")
+            and matvec.native_here(rows, x.dtype, table.dtype)
+        ):
+            logits = matvec.project_table(x, table)  # decoding on a CPU: the [V, D] table read in place as the head
+        else:
+            head = table.T if c.tie_embeddings else self.lm_head[...]
+            logits = project(x, head.astype(dt), preferred_element_type=jnp.float32)  # [B, T, V]
         if c.final_softcap:
             logits = jnp.tanh(logits / jnp.float32(c.final_softcap)) * jnp.float32(c.final_softcap)
         if cache is not None:
@@ -367,7 +402,7 @@ class Decoder(nnx.Module):
         mask_of_layer = tuple(windows.index(w) for w in c.layer_windows)
         return positions, AttentionContext(tuple(masks), mask_of_layer)
 
-    def split_layers(self, fuse: bool = True) -> DecodeLayers:
+    def split_layers(self, fuse: bool = True, native: bool = True) -> DecodeLayers:
         """The stacked blocks' state as L per-layer states, for `forward(..., layers=...)`.
 
         A loop that runs the model many times over the same weights (the decode loop of `generate`) slices them
@@ -378,6 +413,11 @@ class Decoder(nnx.Module):
         (`Attention.fuse_products`, `MLP.fuse_products`), so a batch-1 step reads them in 4 matrix-vector products a
         layer instead of 7 (measured on the 135M shape: docs/performance.md). The same copy, another layout; the
         products' values are the same up to float rounding. Off under a mesh (the concatenation would mix shardings).
+
+        native (with fuse): where the C++ decode kernels are usable (`matvec.usable()`, float32 compute), the
+        projection weights are stored output-major for them (`matvec.OutMajorWeight`, `QuantizedWeight.out_major`),
+        and a head stored otherwise gets an output-major copy (`DecodeLayers.head`). Off for the batch-invariant
+        mode, whose XLA row-at-a-time products the RL trainer reproduces bit for bit.
         """
         graphdef, state = nnx.split(self.blocks)
         states = [jax.tree.map(lambda a, i=i: a[i], state) for i in range(self.config.num_layers)]
@@ -389,7 +429,23 @@ class Decoder(nnx.Module):
                 graphdef_fused, s = nnx.split(block)
                 fused.append(s)
             graphdef, states = graphdef_fused, fused
-        return DecodeLayers(graphdef, states)
+        head = None
+        native = bool(fuse and native and jnp.dtype(self.config.dtype) == jnp.float32 and matvec.usable())
+        if native:
+            native_states = []
+            for s in states:
+                block = nnx.merge(graphdef, s)
+                _kernel_layout(block)
+                graphdef_native, s = nnx.split(block)
+                native_states.append(s)
+            graphdef, states = graphdef_native, native_states
+            table = self.embed[...]
+            if not self.config.tie_embeddings:
+                w = self.lm_head[...]
+                head = w.out_major() if hasattr(w, "out_major") else matvec.out_major(w, 1)
+            elif hasattr(table, "matmul"):  # a quantized table, stored as the input-major head
+                head = table.T.out_major()
+        return DecodeLayers(graphdef, states, head, native)
 
     def _run_blocks(self, x, ctx: AttentionContext, cache, layers, return_hidden):
         """(x, cache, weights [L, ...] or None, block outputs [L, B, T, D] or None)."""

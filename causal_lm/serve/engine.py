@@ -394,7 +394,8 @@ class Engine:
         self.num_pages = sum(self.group_pages)
 
         self._graphdef, self._state = nnx.split(model)
-        self._layers = model.split_layers()
+        # The C++ decode kernels' layout (model/matvec.py) except in the batch-invariant mode (XLA's products there)
+        self._layers = model.split_layers(native=not self.batch_invariant)
         self._pool = init_pool(c, self.group_pages, self.page_size, cache_dtype)
         self.cache_dtype = self._pool.storage
         self._books = [PageBook(n) for n in self.group_pages]

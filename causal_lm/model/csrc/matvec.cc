@@ -1,0 +1,354 @@
+// Decode-shaped products y[r, n] = sum_k x[r, k] * W[n, k] for a few rows r (1..16), reading W once for all rows at
+// the machine's memory bandwidth. XLA:CPU runs these at 8-9 GB/s in float32 and has no product that reads int8 or
+// int4 weights without widening them first (docs/performance.md); decoding one token is ~200 of them.
+//
+// W is output-major (each output's weights contiguous, one dot product per output, the weights streamed in address
+// order); the decode form of a model stores its weights this way (model/matvec.py):
+//   float32  w  [N, K]
+//   int8     q  [N, K] int8, scale [N, G]                      w = q * scale           (groups of g = K / G inputs)
+//   int4     p  [N, G, g/2] uint8, scale [N, G] (, minimum [N, G])
+//            byte j of group G holds input G*g + j in its low nibble and G*g + j + g/2 in its high nibble;
+//            w = (nibble - 8) * scale (symmetric), or nibble * scale + minimum (with minimums).
+// The outputs are split across XLA's intra-op thread pool in chunks of 64 (`ffi::Ctx<ffi::ThreadPool>`).
+//
+// Order of the sums, the same for every output whatever the number of rows or threads (so decoding is batch
+// invariant): per output n and row r, 8 lanes; within a group, lane l is a fused multiply-add chain over the
+// group's inputs i = l (mod 8) in increasing order, part[l] = fma(x[r, k], w~[n, k], part[l]) (w~: the float
+// weight, the int8 value or the nibble as a float); then per group in order acc[l] = fma(part[l], scale[n, G],
+// acc[l]) (float32: one group, acc = part); y = ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)); int4 adds, per
+// group in order, y = fma(sum_G x, offset[n, G], y), offset = -8 * scale or the minimum (sum_G x: the group's inputs
+// added in order). The AVX2 path (groups that are whole vectors) and the scalar path do exactly these operations.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define CLM_AVX2 1
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kChunk = 64;  // outputs per unit of the thread split
+constexpr int64_t kMaxRows = 16;
+
+enum Format { kF32 = 0, kI8 = 1, kI4 = 2 };
+
+struct Problem {
+  Format format;
+  int64_t R, K, N, G, g;  // rows, inputs, outputs, groups, inputs per group
+  const float* x;         // [R, K]
+  const void* w;          // the weight bytes, output-major
+  const float* scale;     // [N, G] (int8, int4)
+  const float* minimum;   // [N, G] or null (int4)
+  const float* xsum;      // [R, G] group sums of x (int4)
+  float* y;               // [R, N]
+};
+
+inline float lanes_sum(const float* l) { return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7])); }
+
+// The float weight of output n, input i of group G (the scalar path).
+inline float weight(const Problem& P, int64_t n, int64_t G, int64_t i) {
+  const int64_t k = G * P.g + i;
+  if (P.format == kF32) return static_cast<const float*>(P.w)[n * P.K + k];
+  if (P.format == kI8) return static_cast<float>(static_cast<const int8_t*>(P.w)[n * P.K + k]);
+  const int64_t h = P.g / 2;
+  const uint8_t b = static_cast<const uint8_t*>(P.w)[(n * P.G + G) * h + (i < h ? i : i - h)];
+  return static_cast<float>(i < h ? (b & 15) : (b >> 4));
+}
+
+// Rows r0..r0+RB of output n, the scalar path (any group size).
+template <int RB>
+void scalar_rows(const Problem& P, int64_t r0, int64_t n) {
+  float acc[RB][8] = {}, part[RB][8];
+  for (int64_t G = 0; G < P.G; ++G) {
+    for (int r = 0; r < RB; ++r) std::fill(part[r], part[r] + 8, 0.0f);
+    for (int64_t i = 0; i < P.g; ++i) {
+      const float w = weight(P, n, G, i);
+      for (int r = 0; r < RB; ++r) part[r][i % 8] = std::fma(P.x[(r0 + r) * P.K + G * P.g + i], w, part[r][i % 8]);
+    }
+    for (int r = 0; r < RB; ++r)
+      for (int l = 0; l < 8; ++l)
+        acc[r][l] = P.format == kF32 ? part[r][l] : std::fma(part[r][l], P.scale[n * P.G + G], acc[r][l]);
+  }
+  for (int r = 0; r < RB; ++r) {
+    float s = lanes_sum(acc[r]);
+    if (P.format == kI4)
+      for (int64_t G = 0; G < P.G; ++G) {
+        const float off = P.minimum ? P.minimum[n * P.G + G] : -8.0f * P.scale[n * P.G + G];
+        s = std::fma(P.xsum[(r0 + r) * P.G + G], off, s);
+      }
+    P.y[(r0 + r) * P.N + n] = s;
+  }
+}
+
+#ifdef CLM_AVX2
+// Asks for the cache line `distance` bytes past p: the same place in the next outputs' weights. The hardware's
+// prefetchers follow one stream well but not the NB interleaved ones a block of outputs reads (measured on Zen 4:
+// 10-11 GB/s of float32 from one core without this, against XLA's 19).
+inline void ahead(const void* p, int64_t distance) {
+  _mm_prefetch(static_cast<const char*>(p) + distance, _MM_HINT_T0);
+}
+
+inline __m256 widen8(const int8_t* q) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+}
+inline __m256i bytes8(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+
+// Rows r0..r0+RB of outputs n0..n0+NB, every group whole vectors of 8 (float32 / int8: g % 8 == 0; int4:
+// g/2 % 8 == 0). RB * NB independent chains keep the FMA units busy (one chain waits on its latency).
+template <int RB, int NB>
+void vector_rows(const Problem& P, int64_t r0, int64_t n0) {
+  const int64_t K = P.K, g = P.g;
+  const float* x = P.x + r0 * K;
+  __m256 acc[RB][NB], part[RB][NB];
+  for (int r = 0; r < RB; ++r)
+    for (int b = 0; b < NB; ++b) acc[r][b] = _mm256_setzero_ps();
+  for (int64_t G = 0; G < P.G; ++G) {
+    const int64_t k0 = G * g;
+    for (int r = 0; r < RB; ++r)
+      for (int b = 0; b < NB; ++b) part[r][b] = _mm256_setzero_ps();
+    if (P.format == kF32) {
+      const float* w = static_cast<const float*>(P.w) + n0 * K + k0;
+      for (int64_t i = 0; i < g; i += 8) {
+        if (i % 16 == 0)
+          for (int b = 0; b < NB; ++b) ahead(w + b * K + i, NB * K * 4);
+        __m256 wv[NB];
+        for (int b = 0; b < NB; ++b) wv[b] = _mm256_loadu_ps(w + b * K + i);
+        for (int r = 0; r < RB; ++r) {
+          const __m256 xv = _mm256_loadu_ps(x + r * K + k0 + i);
+          for (int b = 0; b < NB; ++b) part[r][b] = _mm256_fmadd_ps(xv, wv[b], part[r][b]);
+        }
+      }
+    } else if (P.format == kI8) {
+      const int8_t* q = static_cast<const int8_t*>(P.w) + n0 * K + k0;
+      for (int64_t i = 0; i < g; i += 8) {
+        if (i % 64 == 0)
+          for (int b = 0; b < NB; ++b) ahead(q + b * K + i, NB * K);
+        __m256 wv[NB];
+        for (int b = 0; b < NB; ++b) wv[b] = widen8(q + b * K + i);
+        for (int r = 0; r < RB; ++r) {
+          const __m256 xv = _mm256_loadu_ps(x + r * K + k0 + i);
+          for (int b = 0; b < NB; ++b) part[r][b] = _mm256_fmadd_ps(xv, wv[b], part[r][b]);
+        }
+      }
+    } else {
+      const int64_t h = g / 2, row = P.G * h;  // bytes per output
+      const uint8_t* p = static_cast<const uint8_t*>(P.w) + n0 * row + G * h;
+      const __m256i low = _mm256_set1_epi32(15);
+      for (int64_t i = 0; i < h; i += 8) {  // the low nibbles: inputs k0 .. k0 + h
+        if ((G * h + i) % 64 == 0)
+          for (int b = 0; b < NB; ++b) ahead(p + b * row + i, NB * row);
+        __m256 wv[NB];
+        for (int b = 0; b < NB; ++b) wv[b] = _mm256_cvtepi32_ps(_mm256_and_si256(bytes8(p + b * row + i), low));
+        for (int r = 0; r < RB; ++r) {
+          const __m256 xv = _mm256_loadu_ps(x + r * K + k0 + i);
+          for (int b = 0; b < NB; ++b) part[r][b] = _mm256_fmadd_ps(xv, wv[b], part[r][b]);
+        }
+      }
+      for (int64_t i = 0; i < h; i += 8) {  // the high nibbles: inputs k0 + h .. k0 + g
+        __m256 wv[NB];
+        for (int b = 0; b < NB; ++b) wv[b] = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes8(p + b * row + i), 4));
+        for (int r = 0; r < RB; ++r) {
+          const __m256 xv = _mm256_loadu_ps(x + r * K + k0 + h + i);
+          for (int b = 0; b < NB; ++b) part[r][b] = _mm256_fmadd_ps(xv, wv[b], part[r][b]);
+        }
+      }
+    }
+    if (P.format == kF32) {
+      for (int r = 0; r < RB; ++r)
+        for (int b = 0; b < NB; ++b) acc[r][b] = part[r][b];
+    } else {
+      for (int b = 0; b < NB; ++b) {
+        const __m256 sc = _mm256_set1_ps(P.scale[(n0 + b) * P.G + G]);
+        for (int r = 0; r < RB; ++r) acc[r][b] = _mm256_fmadd_ps(part[r][b], sc, acc[r][b]);
+      }
+    }
+  }
+  alignas(32) float l[8];
+  for (int r = 0; r < RB; ++r)
+    for (int b = 0; b < NB; ++b) {
+      const int64_t n = n0 + b;
+      _mm256_store_ps(l, acc[r][b]);
+      float s = lanes_sum(l);
+      if (P.format == kI4)
+        for (int64_t G = 0; G < P.G; ++G) {
+          const float off = P.minimum ? P.minimum[n * P.G + G] : -8.0f * P.scale[n * P.G + G];
+          s = std::fma(P.xsum[(r0 + r) * P.G + G], off, s);
+        }
+      P.y[(r0 + r) * P.N + n] = s;
+    }
+}
+#endif
+
+// Rows r0..r0+RB of outputs n0..n0+NB.
+template <int RB, int NB>
+inline void rows(const Problem& P, int64_t r0, int64_t n0) {
+#ifdef CLM_AVX2
+  const bool whole = P.format == kI4 ? (P.g / 2) % 8 == 0 : P.g % 8 == 0;
+  if (whole) return vector_rows<RB, NB>(P, r0, n0);
+#endif
+  for (int b = 0; b < NB; ++b) scalar_rows<RB>(P, r0, n0 + b);
+}
+
+// Outputs [n0, n1), all rows: 4 outputs at a time for one row, 2 x 2 for a few, 4 rows x 1 for more (each output's
+// weights are read from memory once, then from L1).
+void outputs(const Problem& P, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n < n1; n += (n + 4 <= n1 ? 4 : 1)) {
+    const bool four = n + 4 <= n1;
+    int64_t r = 0;
+    for (; r + 4 <= P.R; r += 4)
+      for (int b = 0; b < (four ? 4 : 1); ++b) rows<4, 1>(P, r, n + b);
+    for (; r + 2 <= P.R; r += 2) {
+      if (four) {
+        rows<2, 2>(P, r, n);
+        rows<2, 2>(P, r, n + 2);
+      } else {
+        rows<2, 1>(P, r, n);
+      }
+    }
+    if (r < P.R) {
+      if (four)
+        rows<1, 4>(P, r, n);
+      else
+        rows<1, 1>(P, r, n);
+    }
+  }
+}
+
+// Runs the chunks on the caller and XLA's pool. The caller takes chunks too and then waits only for chunks already
+// running, so it never waits on a queued task (no deadlock when the pool is busy or the caller is one of its threads).
+struct Shared {
+  std::atomic<int64_t> next{0}, done{0};
+  int64_t n = 0, per = 0;
+  const Problem* problem = nullptr;
+};
+
+void run_chunks(Shared& s) {
+  for (int64_t i; (i = s.next.fetch_add(1)) < s.n;) {
+    outputs(*s.problem, i * s.per, std::min((i + 1) * s.per, s.problem->N));
+    s.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+void parallel(const Problem& P, ffi::ThreadPool& pool) {
+  const int64_t chunks = (P.N + kChunk - 1) / kChunk;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // About 4 chunks per thread, at most 16 x 64 outputs each; the split changes no value.
+  const int64_t per = std::clamp<int64_t>((chunks + 4 * threads - 1) / (4 * threads), 1, 16);
+  auto s = std::make_shared<Shared>();
+  s->per = per * kChunk;
+  s->n = (P.N + s->per - 1) / s->per;
+  s->problem = &P;
+  const int64_t helpers = std::min<int64_t>(threads, s->n) - 1;
+  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([s] { run_chunks(*s); });
+  run_chunks(*s);
+  while (s->done.load(std::memory_order_acquire) < s->n) std::this_thread::yield();
+}
+
+ffi::Error check(int64_t R, int64_t K, int64_t N) {
+  if (R < 1 || R > kMaxRows) return ffi::Error::InvalidArgument("matvec: rows must be 1..16");
+  if (K < 1 || N < 1) return ffi::Error::InvalidArgument("matvec: empty weight");
+  return ffi::Error::Success();
+}
+
+ffi::Error F32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || wd[1] != xd[1])
+    return ffi::Error::InvalidArgument("matvec_f32: x [R, K], w [N, K]");
+  const int64_t R = xd[0], K = xd[1], N = wd[0];
+  if (auto e = check(R, K, N); e.failure()) return e;
+  Problem P{kF32, R, K, N, 1, K, x.typed_data(), w.typed_data(), nullptr, nullptr, nullptr, y->typed_data()};
+  parallel(P, pool);
+  return ffi::Error::Success();
+}
+
+ffi::Error I8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
+              ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions();
+  if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2 || qd[1] != xd[1] || sd[0] != qd[0])
+    return ffi::Error::InvalidArgument("matvec_i8: x [R, K], q [N, K], scale [N, G]");
+  const int64_t R = xd[0], K = xd[1], N = qd[0], G = sd[1];
+  if (auto e = check(R, K, N); e.failure()) return e;
+  if (G < 1 || K % G) return ffi::Error::InvalidArgument("matvec_i8: the groups must divide the inputs");
+  Problem P{kI8, R, K, N, G, K / G, x.typed_data(), q.typed_data(), scale.typed_data(), nullptr, nullptr,
+            y->typed_data()};
+  parallel(P, pool);
+  return ffi::Error::Success();
+}
+
+ffi::Error I4Impl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::U8>& p, ffi::Buffer<ffi::F32>& scale,
+                  const float* minimum, ffi::ResultBuffer<ffi::F32>& y) {
+  auto xd = x.dimensions(), pd = p.dimensions(), sd = scale.dimensions();
+  if (xd.size() != 2 || pd.size() != 3 || sd.size() != 2 || sd[0] != pd[0] || sd[1] != pd[1])
+    return ffi::Error::InvalidArgument("matvec_i4: x [R, K], p [N, G, g/2], scale [N, G]");
+  const int64_t R = xd[0], K = xd[1], N = pd[0], G = pd[1], g = 2 * pd[2];
+  if (auto e = check(R, K, N); e.failure()) return e;
+  if (G * g != K) return ffi::Error::InvalidArgument("matvec_i4: the groups must cover the inputs");
+  const float* xp = x.typed_data();
+  std::vector<float> xsum(R * G);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t i = 0; i < G; ++i) {
+      float s = 0.0f;
+      for (int64_t k = i * g; k < (i + 1) * g; ++k) s += xp[r * K + k];
+      xsum[r * G + i] = s;
+    }
+  Problem P{kI4, R, K, N, G, g, xp, p.typed_data(), scale.typed_data(), minimum, xsum.data(), y->typed_data()};
+  parallel(P, pool);
+  return ffi::Error::Success();
+}
+
+ffi::Error I4(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> p, ffi::Buffer<ffi::F32> scale,
+              ffi::ResultBuffer<ffi::F32> y) {
+  return I4Impl(pool, x, p, scale, nullptr, y);
+}
+
+ffi::Error I4Min(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> p, ffi::Buffer<ffi::F32> scale,
+                 ffi::Buffer<ffi::F32> minimum, ffi::ResultBuffer<ffi::F32> y) {
+  auto md = minimum.dimensions(), sd = scale.dimensions();
+  if (md.size() != 2 || md[0] != sd[0] || md[1] != sd[1])
+    return ffi::Error::InvalidArgument("matvec_i4: minimum must be [N, G] like scale");
+  return I4Impl(pool, x, p, scale, minimum.typed_data(), y);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(causal_lm_matvec_f32, F32,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(causal_lm_matvec_i8, I8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(causal_lm_matvec_i4, I4,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(causal_lm_matvec_i4m, I4Min,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
