@@ -35,17 +35,9 @@ constexpr float kMaskValue = -1e30f;  // kernels.MASK_VALUE
 // Scores, softmax and the weighted sum of values are accumulated in double and rounded to float32 once: the result
 // is then within an ulp or two of the exact value whatever the summation order, so the XLA forms it replaces (whose
 // float32 sums run in their own orders) and this kernel agree as closely as two orders of float32 sums can.
-inline double Dot(const float* a, const float* b, int64_t n) {
-  double p[4] = {0, 0, 0, 0};
-  int64_t h = 0;
-  for (; h + 4 <= n; h += 4)
-    for (int i = 0; i < 4; ++i) p[i] += static_cast<double>(a[h + i]) * static_cast<double>(b[h + i]);
-  double s = (p[0] + p[2]) + (p[1] + p[3]);
-  for (; h < n; ++h) s += static_cast<double>(a[h]) * static_cast<double>(b[h]);
-  return s;
-}
-
-inline double Dot(const float* a, const int8_t* b, int64_t n) {
+// Keys stored as float32 or int8 (the int8 scale is applied by the caller).
+template <typename K>
+inline double Dot(const float* a, const K* b, int64_t n) {
   double p[4] = {0, 0, 0, 0};
   int64_t h = 0;
   for (; h + 4 <= n; h += 4)
