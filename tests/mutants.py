@@ -770,6 +770,22 @@ MUTANTS = [
         why="every step gathers and attends over max_seq_len slots per row, whatever the rows hold",
     ),
     dict(
+        name="engine-prompt-chunks-uncut",
+        file="causal_lm/serve/engine.py",
+        old="        if 2 * T > 3 * n:",
+        new="        if False:",
+        tests=["tests/test_engine.py::test_prompt_chunks_run_with_little_padding_and_change_no_token"],
+        why="a 70-token chunk is padded to the 256-token bucket: the step computes 3.7x the tokens it feeds",
+    ),
+    dict(
+        name="engine-prompt-chunks-one-call",
+        file="causal_lm/serve/engine.py",
+        old="calls = self._calls(rows)",
+        new="calls = [g for g in ([r for r in rows if r[1] == 1], [r for r in rows if r[1] > 1]) if g]",
+        tests=["tests/test_engine.py::test_prompt_chunks_run_with_little_padding_and_change_no_token"],
+        why="every prompt chunk of a step in one call, padded to the longest chunk's bucket",
+    ),
+    dict(
         name="copied-keys-still-read-in-place",
         file="causal_lm/model/kernels.py",
         old="if T <= FEW_QUERIES and K > 1 and not keys_copied:",

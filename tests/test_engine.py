@@ -488,6 +488,28 @@ def test_num_samples_share_the_prompts_pages_and_draw_what_separate_requests_dra
     assert_no_leak(grouped)
 
 
+def test_prompt_chunks_run_with_little_padding_and_change_no_token():
+    """Eight prompts of 17..32 tokens arriving at once, a 16-token step budget, token buckets 1/4/16 and row buckets
+    1/2/4: the prompt chunks run in calls grouped by token bucket and cut to a bucket they fill (no chunk is then
+    padded beyond 1.5x), so the slots the calls compute are 1.19x the prompt tokens fed here; asserted <= 1.3x
+    (uncut chunks give 1.46x, one call padded to [rows, longest chunk] 1.52x), and every request's greedy tokens are
+    those of `generate` alone. Bug class: a short chunk padded to a long one's length (a CPU pays for every padded
+    token)."""
+    model = tiny_model(CONFIGS["gqa"])
+    requests = [dict(prompt_ids=r["prompt"], max_tokens=r["max_tokens"]) for r in churn_requests(3, n=8)]
+    engine = Engine(
+        model, max_seqs=4, page_size=4, num_pages=90, max_step_tokens=16, batch_buckets=(1, 2, 4),
+        token_buckets=(1, 4, 16), prefix_cache=False,
+    )  # fmt: skip
+    results = engine.run(requests, progress=False)
+    for r, res in zip(requests, results, strict=True):
+        assert res.tokens == reference(model, r["prompt_ids"])[: r["max_tokens"]]
+    stats = engine.stats()
+    assert stats["chunk_tokens"] >= sum(len(r["prompt_ids"]) - 1 for r in requests)
+    assert stats["chunk_slots"] <= 1.3 * stats["chunk_tokens"], stats
+    assert_no_leak(engine)
+
+
 # ---- no leaks, bounded programs ---------------------------------------------------------------------------------
 def test_no_leak_after_a_thousand_requests_and_no_retrace_after_warmup():
     """1,000 short requests with cancellations, repeated prompts and pages scarce enough to preempt: afterwards every

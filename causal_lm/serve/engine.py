@@ -34,8 +34,10 @@ Scheduler (host, each step):
   2. waiting requests, first come first served, while a row, budget and pages for their first chunk remain; a
      prompt whose leading full pages are in the prefix cache holds those pages instead of computing them (at most
      (len - 1) // page_size pages: the last token is always computed, its logits give the first new token).
-A step runs up to two calls of the step program: its decoding rows (one token each) and its prompt chunks, each
-padded to its (rows, tokens, table width) bucket; kept apart, no decoding row pays for a chunk's length. Logits are
+A step runs its decoding rows (one token each) as one call of the step program and its prompt chunks as calls
+grouped by token bucket, each padded to its (rows, tokens, table width) bucket; kept apart, no decoding row pays for
+a chunk's length and no short chunk for a long one. A chunk whose bucket would be mostly padding is cut to the
+largest bucket it fills (the rest follows next step): a call's cost is its padded tokens. Logits are
 projected at each row's last fed token only (all of them only for a request that asked for prompt logprobs).
 Decode bursts. When every row of a step is decoding (no prompt chunk), the step runs up to `burst_steps` decode
 steps in one dispatch: an on-device loop feeds each row's last token, draws the next exactly as a one-token step
@@ -618,8 +620,9 @@ class Engine:
 
     def stats(self) -> dict:
         """Pages held, cached (unreferenced, kept for the prefix cache) and free; requests running and waiting;
-        prefix-cache hits; preemptions; K/V vectors computed (tokens fed, per layer and KV head); programs. Page
-        counts are summed over the layer groups; "groups" has each group's own (window 0: global)."""
+        prefix-cache hits; preemptions; K/V vectors computed (tokens fed, per layer and KV head); prompt-chunk
+        tokens fed and the slots their calls were padded to (chunk_tokens, chunk_slots); programs. Page counts are
+        summed over the layer groups; "groups" has each group's own (window 0: global)."""
         books = self._books
         groups = [
             {
@@ -647,6 +650,8 @@ class Engine:
             "preemptions": self._counts["preemptions"],
             "pages_out_of_window": self._counts["pages_out_of_window"],
             "kv_computed": self._counts["kv_computed"],
+            "chunk_tokens": self._counts["chunk_tokens"],
+            "chunk_slots": self._counts["chunk_slots"],
             "steps": self._counts["steps"],
             "programs_compiled": self._counts["traces"],
             "program_shapes": sorted(self._shapes),
@@ -681,13 +686,16 @@ class Engine:
         if burst > 1:
             events.extend(self._burst(rows, burst))
             return events
-        calls = [g for g in ([r for r in rows if r[1] == 1], [r for r in rows if r[1] > 1]) if g]
+        calls = self._calls(rows)
         fresh, self._fresh = self._fresh, [[] for _ in self._books]
         outputs = []
         before = _traces
         for i, group in enumerate(calls):
             batch, shape, all_logits = self._batch(group, fresh if i == 0 else [[] for _ in fresh])
             self._shapes.add(shape)
+            if shape[1] > 1:
+                self._counts["chunk_tokens"] += sum(n for _, n in group)
+                self._counts["chunk_slots"] += shape[0] * shape[1]
             self._pool, out = _step_program(
                 self._state,
                 self._layers,
@@ -771,7 +779,7 @@ class Engine:
             if budget == 0:
                 break
             if seq not in scheduled and seq in self._running:
-                n = min(len(seq.tokens) - seq.computed, budget, self.max_chunk)
+                n = self._chunk(min(len(seq.tokens) - seq.computed, budget, self.max_chunk))
                 self._return_out_of_window(seq)
                 if self._grow(seq, seq.computed + n, scheduled):
                     rows.append((seq, n))
@@ -783,7 +791,7 @@ class Engine:
                 break
             keys, hits = self._prefix_hits(seq)  # hits: per group, a page (None: not needed) per hit column
             start = len(keys) * self.page_size
-            n = min(len(seq.tokens) - start, budget, self.max_chunk)
+            n = self._chunk(min(len(seq.tokens) - start, budget, self.max_chunk))
             new_pages = pages_for(start + n, self.page_size) - len(keys)
             if any(
                 new_pages > book.available - sum(1 for p in h if p is not None and book.refcount[p] == 0)
@@ -803,6 +811,31 @@ class Engine:
             rows.append((seq, n))
             budget -= n
         return rows
+
+    def _chunk(self, n: int) -> int:
+        """A prompt chunk of up to n tokens cut so that its token bucket is not mostly padding: when the bucket n
+        falls in is over 1.5 n and a smaller bucket fits in n, feed that many now and the rest next step (a 70-token
+        chunk runs as 64 + 6 rather than padded to 256; a step's cost is its padded tokens)."""
+        T = next(t for t in self.token_buckets if t >= n)
+        if 2 * T > 3 * n:
+            n = max((t for t in self.token_buckets if t <= n), default=n)
+        return n
+
+    def _calls(self, rows) -> list:
+        """The step's rows as calls of the step program: decoding rows (one token each) together, prompt chunks
+        grouped by token bucket, each group split into whole row buckets (the largest that fits first; padded only
+        when no row bucket fits), so no call pays for another's chunk length or for empty rows."""
+        calls = [[r for r in rows if r[1] == 1]]
+        by_bucket = collections.defaultdict(list)
+        for r in rows:
+            if r[1] > 1:
+                by_bucket[next(t for t in self.token_buckets if t >= r[1])].append(r)
+        for _, group in sorted(by_bucket.items()):
+            while group:
+                b = max((b for b in self.batch_buckets if b <= len(group)), default=len(group))
+                calls.append(group[:b])
+                group = group[b:]
+        return [c for c in calls if c]
 
     @staticmethod
     def _waits_for_leader(seq) -> bool:
