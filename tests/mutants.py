@@ -1011,10 +1011,18 @@ MUTANTS = [
     dict(
         name="matvec-drops-the-output-tail",
         file="causal_lm/model/csrc/matvec.cc",
-        old="for (; n < n1; n += (n + 4 <= n1 ? 4 : 1)) {",
-        new="for (; n + 1 < n1; n += (n + 4 <= n1 ? 4 : 1)) {",
+        old="    for (; n < n1; ++n)\n",
+        new="    for (; n + 1 < n1; ++n)\n",
         tests=["tests/test_matvec.py::test_float32_kernel_equals_xla_and_is_batch_invariant[64-70]"],
-        why="the last output of each chunk (past the blocks of 4) is never computed",
+        why="the last output of each chunk (past the blocks of 3 outputs) is never computed for blocks of 4 rows",
+    ),
+    dict(
+        name="matvec-drops-the-leftover-rows",
+        file="causal_lm/model/csrc/matvec.cc",
+        old="if (R4 == P.R) return;",
+        new="if (R4) return;",
+        tests=["tests/test_matvec.py::test_float32_kernel_equals_xla_and_is_batch_invariant[64-70]"],
+        why="with 4 or more rows, the rows past the last whole block of 4 (6 rows: the last 2) are never computed",
     ),
     dict(
         name="matvec-drops-the-input-tail",

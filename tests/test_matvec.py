@@ -44,7 +44,7 @@ def test_float32_kernel_equals_xla_and_is_batch_invariant(K, N):
     x = rng.standard_normal((16, K)).astype(np.float32)
     wt = jnp.asarray(w.T.copy())
     want = x.astype(np.float64) @ w
-    ys = {rows: np.asarray(_f32(x[:rows], wt)) for rows in (1, 3, 16)}
+    ys = {rows: np.asarray(_f32(x[:rows], wt)) for rows in (1, 3, 6, 16)}
     for rows, y in ys.items():
         np.testing.assert_allclose(y, want[:rows], rtol=1e-5, atol=1e-5 * np.abs(want).max())
         np.testing.assert_array_equal(y, ys[16][:rows])  # bitwise: the same sum order at any row count
@@ -69,7 +69,7 @@ def test_quantized_kernels_equal_the_dequantized_float_product(K, N, fmt):
     x = rng.standard_normal((16, K)).astype(np.float32)
     want = x.astype(np.float64) @ np.asarray(qa.dequantize(), np.float64)
     assert qa.data.dtype == (jnp.int8 if bits == 8 else jnp.uint8)
-    ys = {rows: np.asarray(_quant(x[:rows], qa.data, qa.scale, qa.minimum)) for rows in (1, 3, 16)}
+    ys = {rows: np.asarray(_quant(x[:rows], qa.data, qa.scale, qa.minimum)) for rows in (1, 3, 6, 16)}
     for rows, y in ys.items():
         np.testing.assert_allclose(y, want[:rows], rtol=1e-5, atol=2e-6 * np.abs(want).max())
         np.testing.assert_array_equal(y, ys[16][:rows])

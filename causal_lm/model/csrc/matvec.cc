@@ -201,15 +201,22 @@ inline void rows(const Problem& P, int64_t r0, int64_t n0) {
   for (int b = 0; b < NB; ++b) scalar_rows<RB>(P, r0, n0 + b);
 }
 
-// Outputs [n0, n1), all rows: 4 outputs at a time for one row, 2 x 2 for a few, 4 rows x 1 for more (each output's
-// weights are read from memory once, then from L1).
+// Outputs [n0, n1), all rows. Blocks of 4 rows x 3 outputs (12 independent chains: the FMA units stay busy, and
+// each vector of x loaded serves 3 outputs); the rows left over (R % 4): 4 outputs at a time for one row, 2 x 2 for
+// two or three. Each output's weights are read from memory once, then from L1.
 void outputs(const Problem& P, int64_t n0, int64_t n1) {
-  int64_t n = n0;
-  for (; n < n1; n += (n + 4 <= n1 ? 4 : 1)) {
+  const int64_t R4 = P.R / 4 * 4;
+  if (R4) {
+    int64_t n = n0;
+    for (; n + 3 <= n1; n += 3)
+      for (int64_t r = 0; r < R4; r += 4) rows<4, 3>(P, r, n);
+    for (; n < n1; ++n)
+      for (int64_t r = 0; r < R4; r += 4) rows<4, 1>(P, r, n);
+  }
+  if (R4 == P.R) return;
+  for (int64_t n = n0; n < n1; n += (n + 4 <= n1 ? 4 : 1)) {
     const bool four = n + 4 <= n1;
-    int64_t r = 0;
-    for (; r + 4 <= P.R; r += 4)
-      for (int b = 0; b < (four ? 4 : 1); ++b) rows<4, 1>(P, r, n + b);
+    int64_t r = R4;
     for (; r + 2 <= P.R; r += 2) {
       if (four) {
         rows<2, 2>(P, r, n);
