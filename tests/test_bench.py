@@ -96,6 +96,20 @@ def test_bench_decode_keys_and_sanity(latency):
     assert "first token of a fresh process (context 8, batch 1)" in text and "compilation cache (0 added)" in text
 
 
+def test_bench_decode_without_recompute_skips_the_peers_recompute_too():
+    """--recompute-new-tokens 0 times no recompute row on either side (it divided by zero on the peer's)."""
+    if bench.peer_status() != "ok":
+        pytest.skip("needs torch and transformers (the interop extra)")
+    r = bench.bench_decode(
+        TINY, contexts=(8,), batches=(1,), new_tokens=2, recompute_new_tokens=0, reps=1, ceilings=CEILINGS,
+        compare_loops=False, first_call=False,
+    )  # fmt: skip
+    (w,) = r["rows"]
+    assert w["recompute_tokens_per_s"] is None and w["peer_recompute_tokens_per_s"] is None
+    assert _positive(w["cached_tokens_per_s"]) and _positive(w["peer_cached_tokens_per_s"])
+    assert "cached" in bench.format_decode(r)
+
+
 def test_a_model_the_peer_cannot_mirror_is_benchmarked_on_our_side_and_marked():
     """small has rope_fraction=0.5, which LlamaForCausalLM cannot express: our row runs, the peer's says why."""
     if bench.peer_status() != "ok":

@@ -409,9 +409,10 @@ def _decode_row(model, m, peer_model, prompts, n, n_re, reps, weight_bytes, mach
     row["peer_cached_tokens_per_s"] = row["peer_recompute_tokens_per_s"] = row["peer_prefill_tokens_per_s"] = None
     if peer_model is not None:
         row["peer_cached_tokens_per_s"] = batch * n / _decode_seconds(peer_runner(peer_model, prompts, True), n, reps)
-        row["peer_recompute_tokens_per_s"] = (
-            batch * n_re / _decode_seconds(peer_runner(peer_model, prompts, False), n_re, reps)
-        )
+        if n_re:  # --recompute-new-tokens 0: no recompute row, ours or the peer's
+            row["peer_recompute_tokens_per_s"] = (
+                batch * n_re / _decode_seconds(peer_runner(peer_model, prompts, False), n_re, reps)
+            )
         row["peer_prefill_tokens_per_s"] = batch * context / _best(peer_forward(peer_model, prompts), reps)
     row["cached_ratio_vs_peer"] = ratio(row["cached_tokens_per_s"], row["peer_cached_tokens_per_s"])
     row["recompute_ratio_vs_peer"] = ratio(row["recompute_tokens_per_s"], row["peer_recompute_tokens_per_s"])
