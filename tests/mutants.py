@@ -993,6 +993,16 @@ MUTANTS = [
         why="the fused gate/up product of the decode form takes the activation of the up half",
     ),
     dict(
+        name="engine-logprobs-unnormalized",
+        file="causal_lm/serve/engine.py",
+        old="    logp = jax.nn.log_softmax(last_logits, axis=-1)\n    token = sampling.sample(last_logits, index)",
+        new="    logp = last_logits - jnp.max(last_logits, axis=-1, keepdims=True)\n"
+        "    token = sampling.sample(last_logits, index)",
+        tests=["tests/test_engine.py::test_logprobs_equal_full_recomputation"],
+        why="the engine reports logits relative to the largest as logprobs (no normalization): the top token's "
+        "logprob is always 0",
+    ),
+    dict(
         name="matvec-scale-of-another-output",
         file="causal_lm/model/csrc/matvec.cc",
         old="const __m256 sc = _mm256_set1_ps(P.scale[(n0 + b) * P.G + G]);",
