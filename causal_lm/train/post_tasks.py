@@ -198,11 +198,12 @@ def _finish(state: TrainState, grads, loss, stats, hp, structure, advance=True):
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]))
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & finite & (state.bad_step == 0)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
-    rng = jax.random.split(state.rng)[0] if advance else state.rng
+    advance = jnp.asarray(advance)  # may be traced: one program for inner and last updates
+    rng = jnp.where(advance, jax.random.split(state.rng)[0], state.rng)
     new = TrainState(
         params=keep(params, state.params),
         opt_state=keep(opt_state, state.opt_state),
-        step=state.step + (ok.astype(jnp.int32) if advance else 0),
+        step=state.step + (ok & advance).astype(jnp.int32),
         rng=keep(rng, state.rng),
         bad_step=jnp.where((state.bad_step == 0) & ~ok, state.step + 1, state.bad_step),
     )
@@ -264,8 +265,8 @@ def grpo_step(config, graphdef, tokenizer, console=None):
     length = t.seq_len
     first = [True]
 
-    @functools.partial(jax.jit, donate_argnums=0, static_argnames="advance")
-    def update(state, rest, batch, adv, hp, advance=True):
+    @functools.partial(jax.jit, donate_argnums=0)
+    def update(state, rest, batch, adv, hp, advance):
         args = (batch["tokens"], batch["targets"], batch["segment_ids"], s.temperature, s.top_k, s.top_p)
         ref = None
         if s.kl_coef > 0:
@@ -293,7 +294,7 @@ def grpo_step(config, graphdef, tokenizer, console=None):
         batch, adv = rollout_batch(groups, group_advantages(rewards), length)
         inner = []  # the first inner update's metrics are the step's (its ratio: the sampler/trainer parity)
         for i in range(s.inner_steps):
-            state, m = update(state, rest, batch, adv, hp, advance=i == s.inner_steps - 1)
+            state, m = update(state, rest, batch, adv, hp, np.bool_(i == s.inner_steps - 1))
             inner.append(m)
         metrics = dict(inner[0])
         if s.inner_steps > 1:
