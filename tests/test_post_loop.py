@@ -120,7 +120,7 @@ def test_grpo_on_a_trained_workdir_logs_the_first_ratio_and_rewards(tmp_path, ca
         assert k in rec, k
     assert rec["length_max"] <= 8 and rec["kl"] >= 0
     assert rec["ratio_max_dev"] == 0.0 < rec["last_ratio_max_dev"]  # the second inner update sees a moved policy
-    assert max(Checkpointer(wd, read_only=True).all_steps()) == 2  # one step per rollout, whatever inner_steps
+    assert max(Checkpointer(wd, read_only=True).all_steps()) == 2
     cfg = load_config(os.path.join(wd, "config.json"))
     assert cfg.train.task == "grpo"
     jax.clear_caches()
