@@ -760,7 +760,10 @@ class TrainConfig:
     beta: float = 0.1
     # GRPO (train.task=grpo, causal_lm/train/grpo.py): per step prompts_per_step prompts x group_size samples of up
     # to max_new_tokens through the engine at rollout_temperature/top_k/top_p, rewarded by `reward`
-    # (module:function), clipped ratio clip_eps, k3 KL to the reference weighted kl_coef (0 = off).
+    # (module:function), clipped ratio clip_eps, k3 KL to the reference weighted kl_coef (0 = off); inner_steps
+    # clipped updates per rollout batch (GRPO's inner epochs: the optimizer, and so its learning-rate schedule, counts
+    # inner_steps updates per step). max_operand: the arithmetic operands are below it, in GRPO's questions and in
+    # data.corpus=synthetic-chat (sft, and grpo's validation set); a small one (3, 5) is an easy task.
     group_size: int = 8
     prompts_per_step: int = 4
     max_new_tokens: int = 24
@@ -770,6 +773,8 @@ class TrainConfig:
     clip_eps: float = 0.2
     kl_coef: float = 0.0
     reward: str = "causal_lm.train.grpo:arithmetic_and_format_reward"
+    inner_steps: int = 1
+    max_operand: int = 50
     # ---- optimizer choice, auxiliary loss, profiling (causal_lm/train/state.py, step.py, profile.py) ----------
     optimizer: str = "adamw"  # "adamw" | "muon" (matrices; AdamW for the rest) | "lion" | "adafactor"
     muon_momentum: float = 0.95  # Muon's Nesterov momentum (its AdamW part uses beta1/beta2)
@@ -825,7 +830,7 @@ class TrainConfig:
             f"train.lora_rank must be an integer >= 0 (0 = no LoRA), got {self.lora_rank!r}",
         )
         _check(self.beta > 0, f"train.beta must be positive, got {self.beta}")
-        for name in ("group_size", "prompts_per_step", "max_new_tokens"):
+        for name in ("group_size", "prompts_per_step", "max_new_tokens", "inner_steps", "max_operand"):
             v = getattr(self, name)
             _check(isinstance(v, int) and v > 0, f"train.{name} must be a positive integer, got {v!r}")
         _check(self.group_size >= 2 or self.task != "grpo", "train.group_size must be >= 2 (advantages are per group)")

@@ -110,6 +110,7 @@ def test_grpo_on_a_trained_workdir_logs_the_first_ratio_and_rewards(tmp_path, ca
     assert main(["train", "--config", "configs/tiny.py", "--workdir", wd, *base, "train.steps=1"]) == 0
     grpo = ["train.task=grpo", "train.steps=2", "train.group_size=3", "train.prompts_per_step=2"]
     grpo += ["train.max_new_tokens=8", "train.kl_coef=0.1", "train.log_every=1", "train.eval_every=2"]
+    grpo += ["train.inner_steps=2"]  # two clipped updates per rollout batch, one step of the count
     assert main(["train", "--config", "configs/tiny.py", "--workdir", wd, "--task", "grpo", *base, *grpo[1:]]) == 0
     err = capsys.readouterr().err
     line = next(ln for ln in err.splitlines() if ln.startswith("GRPO first update: max |ratio - 1| = "))
@@ -118,7 +119,8 @@ def test_grpo_on_a_trained_workdir_logs_the_first_ratio_and_rewards(tmp_path, ca
     for k in ("reward_mean", "reward_std", "ratio_mean", "ratio_min", "ratio_max", "kl", "length_mean", "val_loss"):
         assert k in rec, k
     assert rec["length_max"] <= 8 and rec["kl"] >= 0
-    assert 2 in Checkpointer(wd, read_only=True).all_steps()
+    assert rec["ratio_max_dev"] == 0.0 < rec["last_ratio_max_dev"]  # the second inner update sees a moved policy
+    assert max(Checkpointer(wd, read_only=True).all_steps()) == 2
     cfg = load_config(os.path.join(wd, "config.json"))
     assert cfg.train.task == "grpo"
     jax.clear_caches()

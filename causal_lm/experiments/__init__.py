@@ -18,6 +18,7 @@ EXPERIMENTS = {
     "kv-memory": "causal_lm.experiments.kv_memory",
     "kv-concurrency": "causal_lm.experiments.kv_concurrency",
     "nope-position": "causal_lm.experiments.nope_position",
+    "grpo-arithmetic": "causal_lm.experiments.grpo_arithmetic",
 }
 
 

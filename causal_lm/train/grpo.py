@@ -10,11 +10,21 @@ One update:
      `sampled_logprobs` from float32 logits, loss = -mean(min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A)),
      plus kl_coef * the k3 estimate of KL(policy || reference) when kl_coef > 0 (the reference: the starting
      weights).
-One update per rollout, so the ratio is the sampler/trainer mismatch itself: the log reports its mean, min, max
-and max |ratio - 1|. Both sides run the model's batch-invariant scoring mode (the rollout engine with
-`batch_invariant=True`, `token_logprobs` with `forward(batch_invariant=True)`): each token's computation has the
-same shapes in a decode step and in the update's forward pass, so on a CPU in float32 the two are bitwise equal and
-the first update's ratio is exactly 1 (docs/post-training.md: the conditions, and the bfloat16 bound).
+  4. steps 2-3's batch gives `inner_steps` clipped updates in a row (GRPO's inner epochs, default 1), each on
+     the weights the previous one left, against the same sampler log-probabilities: the first inner update's ratio
+     is the sampler/trainer mismatch itself, the later ones' is how far the policy has moved since the rollout
+     (what the clip bounds).
+The log reports the first inner update's ratio mean, min, max and max |ratio - 1| (and, with inner_steps > 1, the
+last one's as last_ratio_*). With `batch_invariant=True` (the default) both sides run the model's batch-invariant
+scoring mode (the rollout engine with `batch_invariant=True`, `token_logprobs` with `forward(batch_invariant=True)`):
+each token's computation has the same shapes in a decode step and in the update's forward pass, so on a CPU in
+float32 the two are bitwise equal and the first update's ratio is exactly 1 (docs/post-training.md: the conditions,
+and the bfloat16 bound). `batch_invariant=False` runs both sides in the default mode: faster, and a first ratio
+within ~1e-5 of 1.
+
+The rollout engine's page pool is sized to the rollout (`rollout_engine_kwargs`: group_size * prompts_per_step
+sequences of prompt + max_new_tokens tokens), not the engine's default 1 GiB, which a fresh engine per step would
+allocate and clear each time.
 
 Built-in rewards: `arithmetic_reward` (exact match of the last number of the reply with the answer) and
 `format_reward` (the reply ends with "The answer is N."), on arithmetic prompts made on the fly
@@ -35,6 +45,7 @@ from flax import nnx
 
 from causal_lm.config import ConfigError
 from causal_lm.decode.sampling import sampled_logprobs
+from causal_lm.model.paged_cache import pages_for
 from causal_lm.serve.engine import Engine
 from causal_lm.train.post import arithmetic_problem, end_of_turn_ids, prompt_ids
 
@@ -94,13 +105,29 @@ class GRPOSettings:
     learning_rate: float = 1e-3
     reward: str = "causal_lm.train.grpo:arithmetic_and_format_reward"
     seed: int = 0
+    inner_steps: int = 1  # clipped updates per rollout batch (GRPO's inner epochs)
+    batch_invariant: bool = True  # both sides in the batch-invariant mode: the first ratio exactly 1 on a CPU
+
+    def __post_init__(self):
+        if not isinstance(self.inner_steps, int) or self.inner_steps < 1:
+            raise ConfigError(f"inner_steps must be a positive integer, got {self.inner_steps!r}")
 
 
-def token_logprobs(model, tokens, targets, segment_ids, temperature, top_k, top_p):
+def rollout_engine_kwargs(s: GRPOSettings, max_seq_len: int, prompt_tokens: int, page_size: int = 8) -> dict:
+    """The rollout engine's size: one row per sample (group_size * prompts_per_step) and a page pool holding each
+    of them at prompt_tokens + max_new_tokens (rounded up to a power of two >= 64, at most max_seq_len, so that a
+    run sees few pool shapes and compiles the engine's programs few times), instead of the default 1 GiB pool."""
+    seqs = s.group_size * s.prompts_per_step
+    tokens = min(max_seq_len, max(64, 1 << max(0, prompt_tokens + s.max_new_tokens - 1).bit_length()))
+    return dict(max_seqs=seqs, page_size=page_size, num_pages=seqs * pages_for(tokens, page_size))
+
+
+def token_logprobs(model, tokens, targets, segment_ids, temperature, top_k, top_p, invariant=True):
     """[B, T] log-probabilities of `targets` under the distribution the sampler draws from, from one forward pass
-    over `tokens` (the trainer's side of the parity with the engine's `sample_logprobs`)."""
-    logits = model.forward(tokens, segment_ids=segment_ids, batch_invariant=True).logits
-    return sampled_logprobs(logits.astype(jnp.float32), targets, temperature, top_k, top_p, invariant=True)
+    over `tokens` (the trainer's side of the parity with the engine's `sample_logprobs`); invariant: the
+    batch-invariant scoring mode (what a rollout engine with batch_invariant=True runs)."""
+    logits = model.forward(tokens, segment_ids=segment_ids, batch_invariant=invariant).logits
+    return sampled_logprobs(logits.astype(jnp.float32), targets, temperature, top_k, top_p, invariant=invariant)
 
 
 def grpo_loss(new_logp, old_logp, advantages, weights, clip_eps, ref_logp=None, kl_coef=0.0):
@@ -127,12 +154,14 @@ def grpo_loss(new_logp, old_logp, advantages, weights, clip_eps, ref_logp=None, 
 
 
 def rollout(model, tokenizer, problems, s: GRPOSettings, seed: int, engine_kwargs=None):
-    """G samples per (question, answer) through the engine: a list (per prompt) of lists of RequestResults."""
-    engine = Engine(model, **{"batch_invariant": True, **(engine_kwargs or {})})
+    """G samples per (question, answer) through the engine: a list (per prompt) of lists of RequestResults.
+    engine_kwargs: Engine arguments over `rollout_engine_kwargs`'s (sized to this rollout's longest prompt)."""
+    prompts = [prompt_ids(tokenizer, [{"role": "user", "content": q}]) for q, _ in problems]
+    sized = rollout_engine_kwargs(s, model.config.max_seq_len, max(map(len, prompts)))
+    engine = Engine(model, **{"batch_invariant": s.batch_invariant, **sized, **(engine_kwargs or {})})
     stop = end_of_turn_ids(tokenizer)
     groups = []
-    for i, (q, _) in enumerate(problems):
-        ids = prompt_ids(tokenizer, [{"role": "user", "content": q}])
+    for i, ids in enumerate(prompts):
         groups.append(
             engine.submit_samples(
                 ids,
@@ -175,9 +204,12 @@ def rollout_batch(groups, advantages, length: int):
 
 
 class GRPOTrainer:
-    """GRPO on an nnx model in memory: `step()` samples, scores and updates once; returns the step's log record."""
+    """GRPO on an nnx model in memory: `step()` samples and scores once, then updates `inner_steps` times; returns
+    the step's log record."""
 
     def __init__(self, model, tokenizer, settings: GRPOSettings, engine_kwargs=None, problem_fn=None):
+        """engine_kwargs: Engine arguments over `rollout_engine_kwargs`'s (sized per step to its longest prompt);
+        problem_fn(rng) -> (question, answer): the task (default `arithmetic_problem`, operands below 50)."""
         self.s, self.tokenizer = settings, tokenizer
         self.reward = load_reward(settings.reward)
         self.graphdef, self.params, self.rest = nnx.split(model, nnx.Param, ...)
@@ -185,8 +217,7 @@ class GRPOTrainer:
         self.opt = optax.adam(settings.learning_rate)
         self.opt_state = self.opt.init(self.params)
         self.rng = np.random.default_rng([settings.seed, 11])
-        self.engine_kwargs = dict(max_seqs=settings.group_size * settings.prompts_per_step, page_size=8)
-        self.engine_kwargs.update(engine_kwargs or {})
+        self.engine_kwargs = dict(engine_kwargs or {})
         self.problem_fn = problem_fn or arithmetic_problem
         self.step_count = 0
         self.length = model.config.max_seq_len - 1
@@ -201,6 +232,7 @@ class GRPOTrainer:
         def loss_fn(p):
             m = nnx.merge(self.graphdef, p, self.rest)
             args = (batch["tokens"], batch["targets"], batch["segment_ids"], s.temperature, s.top_k, s.top_p)
+            args += (s.batch_invariant,)
             new = token_logprobs(m, *args)
             ref = None
             if ref_params is not None:
@@ -226,10 +258,36 @@ class GRPOTrainer:
         # max_seq_len: the batch-invariant forward costs per token, and a query's bits do not depend on it.
         longest = max(len(r.prompt) + len(r.tokens) - 1 for g in groups for r in g)
         batch, adv = rollout_batch(groups, group_advantages(rewards), min(self.length, -(-longest // 64) * 64))
-        self.params, self.opt_state, stats = self._update(self.params, self.opt_state, self.ref_params, batch, adv)
+        inner = []  # each inner update's stats: the first's ratio is the sampler/trainer parity
+        for _ in range(s.inner_steps):
+            self.params, self.opt_state, stats = self._update(self.params, self.opt_state, self.ref_params, batch, adv)
+            inner.append(stats)
         self.step_count += 1
         lengths = [len(r.tokens) for g in groups for r in g]
         record = {"step": self.step_count, "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std())}
-        record.update({k: float(v) for k, v in jax.device_get(stats).items()})
+        record.update({k: float(v) for k, v in jax.device_get(inner[0]).items()})
+        if s.inner_steps > 1:
+            last = jax.device_get(inner[-1])
+            record.update(
+                {f"last_{k}": float(last[k]) for k in ("ratio_mean", "ratio_min", "ratio_max", "ratio_max_dev")}
+            )
         record.update(length_mean=float(np.mean(lengths)), length_max=int(np.max(lengths)))
         return record
+
+
+def evaluate_reward(model, tokenizer, problems, s: GRPOSettings, reward=arithmetic_reward, seed: int = 100_000):
+    """How well `model` does on fixed (question, answer) problems, through the same rollouts GRPO samples (so an
+    evaluation between steps compiles nothing new): expected_reward, the mean reward over group_size samples per
+    question at the settings' temperature/top-k/top-p (an estimate of the expected reward the policy earns), and
+    greedy_accuracy, the share of questions whose greedy reply earns a reward of 1 (`reward` default: exact match
+    of the last number). The draws depend on `seed` only, not on the training's seeds."""
+    greedy = dataclasses.replace(s, temperature=0.0, top_k=0, top_p=1.0)
+    sampled, right = [], []
+    for c in range(0, len(problems), s.prompts_per_step):
+        chunk = problems[c : c + s.prompts_per_step]
+        for settings, out in ((s, sampled), (greedy, right)):
+            groups = rollout(model, tokenizer, chunk, settings, seed + c)
+            for g, (_, answer) in zip(groups, chunk, strict=True):
+                scores = [reward(tokenizer.decode(r.tokens), answer) for r in g]
+                out.extend(scores if out is sampled else scores[:1])
+    return {"expected_reward": float(np.mean(sampled)), "greedy_accuracy": float(np.mean(right))}

@@ -43,9 +43,16 @@ ROLES = ("system", "user", "assistant", "tool")
 # ---- the built-in synthetic chat set -------------------------------------------------------------------------
 
 
-def arithmetic_problem(rng: np.random.Generator) -> tuple[str, int]:
-    """(question, answer): a sum or difference of two numbers below 50, asked one of a few ways."""
-    a, b = int(rng.integers(0, 50)), int(rng.integers(0, 50))
+MAX_OPERAND = 50  # the synthetic set's operands are below this
+
+
+def arithmetic_problem(rng: np.random.Generator, max_operand: int = MAX_OPERAND) -> tuple[str, int]:
+    """(question, answer): a sum or difference of two numbers below `max_operand`, asked one of a few ways. A small
+    `max_operand` (e.g. 10) is an easy subset of the synthetic set, where a briefly trained model is right about
+    half the time: the range in which GRPO's group advantages carry signal."""
+    if not isinstance(max_operand, int) or max_operand < 1:
+        raise ConfigError(f"max_operand must be a positive integer, got {max_operand!r}")
+    a, b = int(rng.integers(0, max_operand)), int(rng.integers(0, max_operand))
     if rng.random() < 0.5:
         op, ans = "+", a + b
     else:
@@ -55,14 +62,23 @@ def arithmetic_problem(rng: np.random.Generator) -> tuple[str, int]:
     return forms[int(rng.integers(len(forms)))], ans
 
 
+def arithmetic_questions(n: int, seed: int = 0, max_operand: int = MAX_OPERAND) -> list[tuple[str, int]]:
+    """n (question, answer) problems, the same for a seed: a fixed held-out set to measure a model on."""
+    rng = np.random.default_rng([seed, 31])
+    return [arithmetic_problem(rng, max_operand) for _ in range(n)]
+
+
 def arithmetic_reply(question: str, answer: int) -> str:
     """The reply the synthetic set teaches: the equation, then 'The answer is N.'"""
     expr = question.removeprefix("What is ").removeprefix("Compute ").rstrip("?.").removesuffix(" = ?")
     return f"{expr} = {answer}. The answer is {answer}."
 
 
-def synthetic_conversations(n: int = SYNTHETIC_CONVERSATIONS, seed: int = 0) -> list[list[dict]]:
-    """n arithmetic conversations (one or two user turns, some with a system message), the same for a seed."""
+def synthetic_conversations(
+    n: int = SYNTHETIC_CONVERSATIONS, seed: int = 0, max_operand: int = MAX_OPERAND
+) -> list[list[dict]]:
+    """n arithmetic conversations (one or two user turns, some with a system message, operands below
+    `max_operand`), the same for a seed."""
     rng = np.random.default_rng([seed, 7])
     out = []
     for _ in range(n):
@@ -70,7 +86,7 @@ def synthetic_conversations(n: int = SYNTHETIC_CONVERSATIONS, seed: int = 0) -> 
         if rng.random() < 0.2:
             msgs.append({"role": "system", "content": "You are a careful calculator."})
         for _turn in range(1 + int(rng.random() < 0.3)):
-            q, a = arithmetic_problem(rng)
+            q, a = arithmetic_problem(rng, max_operand)
             msgs += [{"role": "user", "content": q}, {"role": "assistant", "content": arithmetic_reply(q, a)}]
         out.append(msgs)
     return out
@@ -121,10 +137,11 @@ def read_jsonl(spec: str, required: tuple) -> list[dict]:
     return records
 
 
-def load_conversations(spec: str, seed: int = 0) -> list[list[dict]]:
-    """The conversations of a corpus spec: "synthetic-chat" or JSONL files of {"messages": [...]}."""
+def load_conversations(spec: str, seed: int = 0, max_operand: int = MAX_OPERAND) -> list[list[dict]]:
+    """The conversations of a corpus spec: "synthetic-chat" (operands below max_operand) or JSONL files of
+    {"messages": [...]}."""
     if spec == SYNTHETIC_CHAT:
-        return synthetic_conversations(seed=seed)
+        return synthetic_conversations(seed=seed, max_operand=max_operand)
     return [check_messages(r["messages"], r["_where"]) for r in read_jsonl(spec, ("messages",))]
 
 
@@ -220,7 +237,7 @@ def build_sft_data(config, tokenizer=None, *, max_val_batches: int | None = None
             "train.task=sft needs conversations: data.corpus=synthetic-chat (built in) or a JSONL file of "
             '{"messages": [...]} records'
         )
-    convs = load_conversations(d.corpus, t.seed)
+    convs = load_conversations(d.corpus, t.seed, t.max_operand)
     if d.max_documents:
         convs = convs[: d.max_documents]
     if len(convs) < 2:

@@ -12,10 +12,11 @@ record as the mean over the log interval.
 
 dpo   batches of {prompt, chosen, rejected} pairs from JSONL (data.corpus), beta = train.beta; validation: the
       assistant-token loss of the held-out pairs' chosen replies.
-grpo  each step draws train.prompts_per_step arithmetic questions (or what train.grpo_problems names), samples
+grpo  each step draws train.prompts_per_step arithmetic questions (operands below train.max_operand), samples
       train.group_size replies to each through the serving engine on the current weights, scores them with
-      train.reward (module:function), and takes one clipped-ratio step (train.clip_eps, train.kl_coef to the
-      reference). Validation: the assistant-token loss on held-out synthetic-chat conversations.
+      train.reward (module:function), and takes train.inner_steps clipped-ratio updates on that batch
+      (train.clip_eps, train.kl_coef to the reference). Validation: the assistant-token loss on held-out
+      synthetic-chat conversations.
 """
 
 from __future__ import annotations
@@ -178,14 +179,18 @@ def build_grpo_data(config, tokenizer=None) -> DataSplits:
     chat = dataclasses.replace(config, data=dataclasses.replace(config.data, corpus=SYNTHETIC_CHAT, streaming=False))
     sft = build_sft_data(chat, tokenizer)
     info = {"prompts_per_step": t.prompts_per_step, "group_size": t.group_size, "val_rows": sft.info["val_rows"]}
-    return DataSplits(sft.tokenizer, ProblemIterator(t.prompts_per_step, t.seed), sft.val, info)
+    problems = ProblemIterator(
+        t.prompts_per_step, t.seed, functools.partial(arithmetic_problem, max_operand=t.max_operand)
+    )
+    return DataSplits(sft.tokenizer, problems, sft.val, info)
 
 
 # ---- steps ---------------------------------------------------------------------------------------------------
 
 
-def _finish(state: TrainState, grads, loss, stats, hp, structure):
-    """The optimizer update with lm's guard: a non-finite loss, gradient or update skips the step."""
+def _finish(state: TrainState, grads, loss, stats, hp, structure, advance=True):
+    """The optimizer update with lm's guard: a non-finite loss, gradient or update skips the step. advance=False:
+    an update inside a step (GRPO's inner updates before the last): the step count and the rng stay."""
     optimizer = make_optimizer(structure, hp)
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -193,11 +198,12 @@ def _finish(state: TrainState, grads, loss, stats, hp, structure):
     finite = jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(params)]))
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & finite & (state.bad_step == 0)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)  # noqa: E731
-    rng, _ = jax.random.split(state.rng)
+    advance = jnp.asarray(advance)  # may be traced: one program for inner and last updates
+    rng = jnp.where(advance, jax.random.split(state.rng)[0], state.rng)
     new = TrainState(
         params=keep(params, state.params),
         opt_state=keep(opt_state, state.opt_state),
-        step=state.step + ok.astype(jnp.int32),
+        step=state.step + (ok & advance).astype(jnp.int32),
         rng=keep(rng, state.rng),
         bad_step=jnp.where((state.bad_step == 0) & ~ok, state.step + 1, state.bad_step),
     )
@@ -244,22 +250,23 @@ def grpo_settings(t) -> GRPOSettings:
         learning_rate=t.learning_rate,
         reward=t.reward,
         seed=t.seed,
+        inner_steps=t.inner_steps,
     )
 
 
 def grpo_step(config, graphdef, tokenizer, console=None):
-    """The GRPO step: rollout on the host through the engine (the current weights), rewards, then one jitted
-    update. The first update's max |ratio - 1| (sampler vs trainer log-probabilities) is printed."""
+    """The GRPO step: rollout on the host through the engine (the current weights), rewards, then inner_steps
+    jitted updates on that batch (the step count advances once, at the last). The first update's max |ratio - 1|
+    (sampler vs trainer log-probabilities) is printed."""
     t = config.train
     s = grpo_settings(t)
     reward = load_reward(t.reward)
     structure = _structure(t)
     length = t.seq_len
-    engine_kwargs = dict(max_seqs=s.group_size * s.prompts_per_step, page_size=8)
     first = [True]
 
     @functools.partial(jax.jit, donate_argnums=0)
-    def update(state, rest, batch, adv, hp):
+    def update(state, rest, batch, adv, hp, advance):
         args = (batch["tokens"], batch["targets"], batch["segment_ids"], s.temperature, s.top_k, s.top_p)
         ref = None
         if s.kl_coef > 0:
@@ -270,7 +277,7 @@ def grpo_step(config, graphdef, tokenizer, console=None):
             return grpo_loss(new, batch["old_logp"], adv, batch["weights"], s.clip_eps, ref, s.kl_coef)
 
         (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-        new, metrics = _finish(state, grads, loss, stats, hp, structure)
+        new, metrics = _finish(state, grads, loss, stats, hp, structure, advance)
         metrics["tokens"] = batch["weights"].sum()
         return new, metrics
 
@@ -279,13 +286,21 @@ def grpo_step(config, graphdef, tokenizer, console=None):
     def step(state, rest, problems):
         model = policy_model(graphdef, state.params, rest)
         seed = int(jax.device_get(state.step))
-        groups = rollout(model, tokenizer, problems, s, seed, engine_kwargs)
+        groups = rollout(model, tokenizer, problems, s, seed)
         rewards = np.asarray(
             [[reward(tokenizer.decode(r.tokens), a) for r in g] for g, (_, a) in zip(groups, problems, strict=True)],
             np.float32,
         )
         batch, adv = rollout_batch(groups, group_advantages(rewards), length)
-        state, metrics = update(state, rest, batch, adv, hp)
+        inner = []  # the first inner update's metrics are the step's (its ratio: the sampler/trainer parity)
+        for i in range(s.inner_steps):
+            state, m = update(state, rest, batch, adv, hp, np.bool_(i == s.inner_steps - 1))
+            inner.append(m)
+        metrics = dict(inner[0])
+        if s.inner_steps > 1:
+            metrics.update(
+                {f"last_{k}": inner[-1][k] for k in ("ratio_mean", "ratio_min", "ratio_max", "ratio_max_dev")}
+            )
         lengths = [len(r.tokens) for g in groups for r in g]
         metrics.update(
             reward_mean=float(rewards.mean()),
