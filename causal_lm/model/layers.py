@@ -44,6 +44,25 @@ def _one_row_at_a_time(fn, x, n_in: int):
     return rows.reshape(lead + rows.shape[1:])
 
 
+ROW_WISE_OUT_MULTIPLE = 16  # row_wise products have a whole number of these outputs (zero columns added)
+
+
+def _row_wise_project(x, w, n_in: int, preferred_element_type):
+    """`project` one row at a time over a [in, out] weight whose outputs are padded with zero columns to a multiple
+    of ROW_WISE_OUT_MULTIPLE. An odd output count (a 259-token vocabulary's head) is what made XLA:CPU's one-row
+    product round differently where the row loop has one trip (a decode step) and where it has many (the trainer's
+    forward): measured on a trained model, every such logit differed; padded to 260 or more, none does."""
+    in_shape, out_shape = w.shape[:n_in], w.shape[n_in:]
+    k, n = int(np.prod(in_shape)), int(np.prod(out_shape))
+    w2 = w.reshape(k, n)
+    pad = -n % ROW_WISE_OUT_MULTIPLE
+    if pad:
+        w2 = jnp.pad(w2, ((0, 0), (0, pad)))
+    lead = x.shape[: x.ndim - n_in]
+    y = _one_row_at_a_time(lambda r: project(r, w2, 1, preferred_element_type), x.reshape(lead + (k,)), 1)
+    return y[..., :n].reshape(lead + out_shape)
+
+
 def project(x, w, n_in: int = 1, preferred_element_type=None):
     """Contract the last `n_in` dims of x [..., *in] with the first `n_in` of w [*in, *out] -> [..., *out].
 
@@ -54,7 +73,7 @@ def project(x, w, n_in: int = 1, preferred_element_type=None):
     """
     if getattr(_row_wise, "on", False) and not hasattr(w, "matmul"):
         with row_wise(False), matvec.native_products(False):
-            return _one_row_at_a_time(lambda r: project(r, w, n_in, preferred_element_type), x, n_in)
+            return _row_wise_project(x, w, n_in, preferred_element_type)
     if hasattr(w, "matmul"):  # a quantized weight (quant.py) or the decode form's output-major one (matvec.py)
         return w.matmul(x, n_in, preferred_element_type)
     in_shape, out_shape = w.shape[:n_in], w.shape[n_in:]
