@@ -360,6 +360,27 @@ def sft_model():
     return nnx.merge(graphdef, params, rest), tok
 
 
+def test_invariant_decode_steps_give_the_forward_pass_logits_bitwise():
+    """The mechanism under the parity, at the logits (which a random model's near-uniform logprobs would hide):
+    in the batch-invariant mode, a prefill then one-token steps over a cache give every position the same logit
+    bits as one forward pass over the whole sequence. The vocabulary (259) is odd: unpadded, the row-wise head
+    rounded differently in every one-token step at d_model 64 (not at 32), whatever the weights."""
+    from causal_lm.model.kv_cache import init_cache
+
+    graphdef, params, rest = init_params(dataclasses.replace(RL_MODEL, d_model=64, mlp_dim=128), 0)
+    rl_model = nnx.merge(graphdef, params, rest)
+    tokens = jnp.asarray(np.random.default_rng(5).integers(0, 259, (1, 12)), jnp.int32)
+    full = jax.jit(lambda m, t: m.forward(t, batch_invariant=True).logits)(rl_model, tokens)
+    step = jax.jit(lambda m, t, c: (lambda o: (o.logits, o.cache))(m.forward(t, cache=c, batch_invariant=True)))
+    cache = init_cache(rl_model.config, 1, 16)
+    logits, cache = step(rl_model, tokens[:, :5], cache)
+    got = [logits[0, i] for i in range(5)]
+    for i in range(5, 12):
+        logits, cache = step(rl_model, tokens[:, i : i + 1], cache)
+        got.append(logits[0, 0])
+    np.testing.assert_array_equal(np.stack(got), np.asarray(full[0]))
+
+
 def test_sampler_logprobs_equal_the_trainers_on_a_trained_model(sft_model):
     """The parity on trained weights, whose peaked distributions show last-bit differences that a random model's
     near-uniform logprobs absorb (the row-wise head of a 259-token vocabulary once differed on every reply here
