@@ -847,6 +847,14 @@ MUTANTS = [
         why="one update per rollout batch whatever inner_steps says: the later inner updates never happen",
     ),
     dict(
+        name="grpo-loop-inner-steps-each-advance",
+        file="causal_lm/train/post_tasks.py",
+        old="np.bool_(i == s.inner_steps - 1)",
+        new="np.bool_(True)",
+        tests=["tests/test_post_loop.py::test_grpo_on_a_trained_workdir_logs_the_first_ratio_and_rewards"],
+        why="each inner update counts as a training step: a resumed run finds its step already past train.steps",
+    ),
+    dict(
         name="grpo-rollout-pool-default",
         file="causal_lm/train/grpo.py",
         old="return dict(max_seqs=seqs, page_size=page_size, num_pages=seqs * pages_for(tokens, page_size))",

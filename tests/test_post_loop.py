@@ -123,4 +123,10 @@ def test_grpo_on_a_trained_workdir_logs_the_first_ratio_and_rewards(tmp_path, ca
     assert max(Checkpointer(wd, read_only=True).all_steps()) == 2
     cfg = load_config(os.path.join(wd, "config.json"))
     assert cfg.train.task == "grpo"
+    # resumed for one more rollout: the step count is rollouts, not inner updates (else the restored step is
+    # already past 3 and nothing runs)
+    more = [a if a != "train.steps=2" else "train.steps=3" for a in grpo[1:]]
+    assert main(["train", "--config", "configs/tiny.py", "--workdir", wd, "--task", "grpo", *base, *more]) == 0
+    assert [r for r in read_metrics(wd) if r["step"] == 3 and "reward_mean" in r]
+    assert max(Checkpointer(wd, read_only=True).all_steps()) == 3
     jax.clear_caches()
