@@ -130,6 +130,13 @@ def test_synthetic_set_is_fixed_by_its_seed():
     assert synthetic_conversations(5, 1) == synthetic_conversations(5, 1) != synthetic_conversations(5, 2)
 
 
+def test_synthetic_replies_restate_each_question_form_once():
+    from causal_lm.train.post import arithmetic_reply
+
+    for q in ("What is 12 + 3?", "Compute 12 + 3.", "12 + 3 = ?"):
+        assert arithmetic_reply(q, 15) == "12 + 3 = 15. The answer is 15.", q
+
+
 def test_bad_sft_input_fails_before_compute(tmp_path):
     with pytest.raises(ConfigError, match="train.task must be one of"):
         TrainConfig(task="rlhf")

@@ -70,7 +70,7 @@ def arithmetic_questions(n: int, seed: int = 0, max_operand: int = MAX_OPERAND) 
 
 def arithmetic_reply(question: str, answer: int) -> str:
     """The reply the synthetic set teaches: the equation, then 'The answer is N.'"""
-    expr = question.removeprefix("What is ").removeprefix("Compute ").rstrip("?.").removesuffix(" = ?")
+    expr = question.removesuffix(" = ?").removeprefix("What is ").removeprefix("Compute ").rstrip("?.")
     return f"{expr} = {answer}. The answer is {answer}."
 
 
