@@ -21,7 +21,7 @@ def register(sub):
         "bandwidth, then ours and the peer (transformers' LlamaForCausalLM with the "
         "same weights, when torch and transformers are installed).",
     )
-    which = p.add_subparsers(dest="bench", metavar="{train,decode,serve}")
+    which = p.add_subparsers(dest="bench", metavar="{train,decode,serve,llama-cpp}")
     t = which.add_parser("train", help="tokens/s, step time, MFU, compile time of the training step")
     _common(t)
     t.add_argument("--steps", type=int, default=None, help="timed steps after warm-up (default 5; quick 2)")
@@ -103,6 +103,26 @@ def register(sub):
         "--burst-steps", type=int, default=1, help="engine decode steps per dispatch when all rows decode (default 1)"
     )
     s.set_defaults(func=run_serve)
+    lc = which.add_parser(
+        "llama-cpp",
+        help="decode tokens/s of llama.cpp and ours on the same GGUF files (F32, Q8_0, Q4_1), side by side",
+        description="Writes the model (random weights of --config's shape, or --workdir's) as GGUF files of the "
+        "--types, or takes --gguf FILE, and times greedy decoding of the same token ids by llama.cpp's CPU library "
+        "and by us (load_gguf(dequantize=False)) in one process. Needs the optional peer: "
+        "pip install llama-cpp-cffi cffi attrs.",
+    )
+    add_config_args(lc, default_config="llama_135m")
+    lc.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    lc.add_argument("--quick", action="store_true", help="a shorter measurement of the machine's ceilings")
+    lc.add_argument("--types", default="F32,Q8_0,Q4_1", help="GGUF types to write and time: F32,Q8_0,Q4_0,Q4_1")
+    lc.add_argument("--gguf", default=None, metavar="FILE", help="time this file instead of writing files")
+    lc.add_argument("--workdir", default=None, help="write this trained workdir's model instead of random weights")
+    lc.add_argument("--context", type=int, default=512, help="prompt tokens (default 512)")
+    lc.add_argument("--new-tokens", type=int, default=64, help="greedy tokens timed (default 64)")
+    lc.add_argument("--reps", type=int, default=3, help="timed calls per length; the best counts (default 3)")
+    lc.add_argument("--threads", type=int, default=None, help="llama.cpp's threads (default: every core)")
+    lc.add_argument("--out", default=None, metavar="DIR", help="keep the written GGUF files here")
+    lc.set_defaults(func=run_llamacpp)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
 
@@ -173,6 +193,25 @@ def run_decode(args) -> int:
         gguf=args.gguf,
     )
     print(json.dumps(r) if args.json else format_decode(r))
+    return 0
+
+
+def run_llamacpp(args) -> int:
+    from causal_lm.bench.llamacpp import bench_llamacpp, format_llamacpp
+
+    r = bench_llamacpp(
+        config_from_args(args),
+        types=tuple(x.strip() for x in args.types.split(",") if x.strip()),
+        gguf=args.gguf,
+        workdir=args.workdir,
+        context=args.context,
+        new_tokens=args.new_tokens,
+        reps=args.reps,
+        threads=args.threads,
+        out_dir=args.out,
+        quick=args.quick,
+    )
+    print(json.dumps(r) if args.json else format_llamacpp(r))
     return 0
 
 
