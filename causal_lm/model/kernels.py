@@ -248,6 +248,18 @@ def in_place_attention(q, k, v, mask: AttentionMask, *, scale, sink=None, softca
     return out.transpose(0, 1, 4, 2, 3).reshape(B, T, N, Hv)
 
 
+def native_attention(q, k, v, mask: AttentionMask, *, scale, sink=None, softcap=None):
+    """A few queries over keys in their cache layout, the two products in C++ (`decode_attention.py`): each key
+    and value read once, in place, for all the queries that use it; the softmax between them is `masked_softmax`."""
+    from causal_lm.model import decode_attention
+
+    if v.dtype != jnp.float32:
+        return in_place_attention(q, k, v, mask, scale=scale, sink=sink, softcap=softcap)
+    scores = decode_attention.scores(q, k) * jnp.float32(scale)  # as grouped_scores: the product, then the scale
+    weights = masked_softmax(scores, mask.visible, sink=sink, zero_after=mask.zero_after, softcap=softcap)
+    return decode_attention.values(weights, v)
+
+
 # ---- batch-invariant: one query at a time, keys in fixed chunks -----------------------------------------------
 
 INVARIANT_CHUNK = 128  # keys per step of `invariant_attention`'s online softmax
@@ -382,6 +394,8 @@ def select_kernel(q, k, mask: AttentionMask, impl: str = "xla", *, keys_copied: 
     # With one KV head (MQA) the heads-major transpose of K/V is free; when K/V were just gathered (a paged cache)
     # the gather writes them heads-major at no extra cost, and the batched matmuls then read each row once instead
     # of meeting every KV head with every query head (measured: 16 rows x 512 slots x 6 heads, 16.3 -> 7.8 ms).
+    if T <= FEW_QUERIES and not keys_copied and _native_decode(q, k):
+        return native_attention
     if T <= FEW_QUERIES and K > 1 and not keys_copied:
         return in_place_attention
     block = causal_query_block(T)
@@ -390,6 +404,12 @@ def select_kernel(q, k, mask: AttentionMask, impl: str = "xla", *, keys_copied: 
             return functools.partial(blocked_causal_attention, block=block)
         return functools.partial(query_blocked_attention, block=block)
     return heads_major_attention
+
+
+def _native_decode(q, k) -> bool:
+    from causal_lm.model import decode_attention
+
+    return decode_attention.native_here(q.dtype, k.dtype)
 
 
 def attention_weights(q, k, visible, *, sink=None, zero_after=None, scale=None, softcap=None):

@@ -67,6 +67,11 @@ def native_products(on: bool = True):
         _native.on = before
 
 
+def native_on() -> bool:
+    """Whether the code being traced is inside `native_products()` (a decode step outside the scoring mode)."""
+    return getattr(_native, "on", False)
+
+
 def native_here(rows: int, *dtypes) -> bool:
     """Whether a product of `rows` rows with operands of these dtypes goes to the kernels now."""
     return getattr(_native, "on", False) and applies(rows, *dtypes)
