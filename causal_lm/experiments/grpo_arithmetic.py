@@ -1,9 +1,9 @@
 """SFT a small model on the built-in synthetic chat set, then GRPO it on the arithmetic task: does the reward rise?
 
 1. SFT: `train.task=sft` on `data.corpus=synthetic-chat` through the training loop (a workdir under out_dir, so a
-   rerun resumes it), operands below `train.max_operand` (the config's; 3 by default: an easy task on which a
-   model this small, this briefly trained, is right some of the time, so GRPO's groups disagree and the advantages
-   carry signal).
+   rerun resumes it), the small preset's model, operands below `train.max_operand` (the config's; 10 by default:
+   a task on which the model, this briefly trained, is right some of the time, so GRPO's groups disagree and the
+   advantages carry signal; below 3 it is always right, below 50 rarely).
 2. GRPO (`causal_lm.train.grpo.GRPOTrainer`, the exact-match reward `arithmetic_reward`) on questions drawn from
    the same distribution, `grpo_steps` rollouts of prompts_per_step x group_size replies, inner_steps clipped
    updates each.
@@ -31,21 +31,23 @@ from causal_lm.train.grpo import GRPOSettings, GRPOTrainer, evaluate_reward
 from causal_lm.train.post import arithmetic_problem, arithmetic_questions
 
 NAME = "grpo-arithmetic"
-HELP = "SFT the tiny model on synthetic chat, then GRPO on easy arithmetic: expected reward and greedy accuracy"
+HELP = "SFT the small model on synthetic chat, then GRPO on easy arithmetic: expected reward and greedy accuracy"
 
 
 def default_config() -> Config:
-    """The SFT run: the tiny preset's model (2 layers, d_model 64, byte-level) on synthetic-chat, operands below 3."""
+    """The SFT run: the small preset's model (4 layers, d_model 256, GQA, byte-level) on synthetic-chat, operands
+    below 10: after 300 steps it answers greedily right about 3 times in 4 and samples right about 3 times in 5,
+    so GRPO's groups disagree and its advantages carry signal."""
     return apply_overrides(
-        load_config("tiny"),
+        load_config("small"),
         [
             "train.task=sft",
             "data.corpus=synthetic-chat",
-            "train.max_operand=3",
+            "train.max_operand=10",
             "train.steps=300",
             "train.seq_len=128",
-            "train.learning_rate=1e-2",
-            "train.warmup_steps=20",
+            "train.learning_rate=1e-3",
+            "train.warmup_steps=30",
             "train.eval_every=100",
             "train.checkpoint_every=100",
             "train.log_every=50",
@@ -57,12 +59,14 @@ def default_config() -> Config:
 
 def grpo_settings(**changes) -> GRPOSettings:
     """The GRPO run: 4 questions x 16 replies of up to 12 tokens per step (the equation and its result: the
-    exact-match reward reads the last number), 2 clipped updates per rollout batch at learning rate 3e-4."""
+    exact-match reward reads the last number), 2 clipped updates per rollout batch at learning rate 3e-5 (at 2e-4
+    the first update, Adam's full-size step in every weight, moved token probabilities up to 700-fold and the
+    reward collapsed from 0.59 to 0.02)."""
     base = dict(
         group_size=16,
         prompts_per_step=4,
         max_new_tokens=12,
-        learning_rate=3e-4,
+        learning_rate=3e-5,
         inner_steps=2,
         reward="causal_lm.train.grpo:arithmetic_reward",
     )
