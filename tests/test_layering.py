@@ -50,6 +50,7 @@ LOCAL_IMPORTS_ALLOWED = {
     "transformers": "optional (interop extra)",
     "safetensors": "optional (interop extra)",
     "gguf": "optional (GGUF files)",
+    "cffi": "optional (llama.cpp's library, the bench llama-cpp peer)",
     "jinja2": "optional (chat templates)",
     "ml_dtypes": "only for bfloat16 checkpoints",
     "matplotlib": "the backend must be chosen before pyplot is imported; only plots need it",

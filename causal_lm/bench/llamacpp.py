@@ -25,9 +25,17 @@ import tempfile
 import time
 from collections.abc import Sequence
 
+import jax
 import numpy as np
+from flax import nnx
 
 from causal_lm.bench.common import environment, fmt, machine_ceilings, ratio, settle
+from causal_lm.bench.decode import _ours_runner, _same_program, _steps_seconds
+from causal_lm.interop.gguf import load_gguf, permute_qk
+from causal_lm.interop.hf_checkpoint import hf_tensors_from_model
+from causal_lm.interop.hf_config import hf_config_from_model
+from causal_lm.model import build_model
+from causal_lm.train import load_for_inference
 
 TYPES = ("F32", "Q8_0", "Q4_0", "Q4_1")
 WEIGHTS_OF = {"F32": "float32", "Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4"}
@@ -112,10 +120,6 @@ def write_gguf(model, path: str, qtype: str) -> str:
     """Write a float Llama-shaped `model` (a Decoder the Llama architecture expresses) as a GGUF file whose 2-D
     weights are `qtype` (F32, Q8_0, Q4_0, Q4_1; norms stay F32), as llama.cpp's converter lays them out."""
     import gguf
-
-    from causal_lm.interop.gguf import permute_qk
-    from causal_lm.interop.hf_checkpoint import hf_tensors_from_model
-    from causal_lm.interop.hf_config import hf_config_from_model
 
     if qtype not in TYPES:
         raise ValueError(f"qtype must be one of {', '.join(TYPES)}, got {qtype!r}")
@@ -254,8 +258,6 @@ def _best_pair(run, n: int, reps: int) -> tuple[float, float, list]:
         _, f2 = run(1 + n)
         all_ = min(all_, time.perf_counter() - t)
         first = min(first, f1, f2)
-    from causal_lm.bench.decode import _steps_seconds
-
     return _steps_seconds(one, all_, n), first, tokens
 
 
@@ -278,19 +280,14 @@ def bench_llamacpp(
     rows [{type, file_bytes, ours_tokens_per_s, llama_cpp_tokens_per_s, ratio, ours_prefill_tokens_per_s,
     llama_cpp_prefill_tokens_per_s, prefill_ratio, floor_fraction_ours, floor_fraction_llama_cpp,
     greedy_equal (tokens equal before the first difference), new_tokens}]."""
-    import jax
-    from flax import nnx
-
-    from causal_lm.bench.decode import _ours_runner, _same_program
-    from causal_lm.interop.gguf import load_gguf
-    from causal_lm.model import build_model
-
     types = tuple(types)
     for t in types:
         if t not in TYPES:
             raise ValueError(f"--types: {t!r} is not one of {', '.join(TYPES)}")
     if context < 1 or new_tokens < 2 or reps < 1:
         raise ValueError("need context >= 1, new tokens >= 2 and reps >= 1")
+    if gguf is not None and not os.path.isfile(gguf):
+        raise FileNotFoundError(2, "no such GGUF file", gguf)
     lib, ffi = library()  # fails here, before any work, when the peer is not installed
     threads = threads or os.cpu_count() or 1
     env = environment()
@@ -302,8 +299,6 @@ def bench_llamacpp(
         files.append((None, gguf))
     else:
         if workdir is not None:
-            from causal_lm.train import load_for_inference
-
             model = load_for_inference(workdir)[0]
         else:
             model = build_model(config.model, seed=config.train.seed)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 from causal_lm.bench import bench_decode, bench_serve, bench_train, format_decode, format_serve, format_train
+from causal_lm.bench.llamacpp import bench_llamacpp, format_llamacpp
 from causal_lm.bench.load import bench_server, format_server
 from causal_lm.commands.common import add_config_args, config_from_args
 from causal_lm.config import REMATS
@@ -197,8 +198,6 @@ def run_decode(args) -> int:
 
 
 def run_llamacpp(args) -> int:
-    from causal_lm.bench.llamacpp import bench_llamacpp, format_llamacpp
-
     r = bench_llamacpp(
         config_from_args(args),
         types=tuple(x.strip() for x in args.types.split(",") if x.strip()),

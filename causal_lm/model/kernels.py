@@ -42,7 +42,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from causal_lm.model import backends
+from causal_lm.model import backends, decode_attention
 from causal_lm.model.mask import AttentionMask
 
 # Finite large negative for masked float32 scores: -inf would turn a row with no visible key into NaN.
@@ -251,8 +251,6 @@ def in_place_attention(q, k, v, mask: AttentionMask, *, scale, sink=None, softca
 def native_attention(q, k, v, mask: AttentionMask, *, scale, sink=None, softcap=None):
     """A few queries over keys in their cache layout, the two products in C++ (`decode_attention.py`): each key
     and value read once, in place, for all the queries that use it; the softmax between them is `masked_softmax`."""
-    from causal_lm.model import decode_attention
-
     if v.dtype != jnp.float32:
         return in_place_attention(q, k, v, mask, scale=scale, sink=sink, softcap=softcap)
     scores = decode_attention.scores(q, k) * jnp.float32(scale)  # as grouped_scores: the product, then the scale
@@ -407,8 +405,6 @@ def select_kernel(q, k, mask: AttentionMask, impl: str = "xla", *, keys_copied: 
 
 
 def _native_decode(q, k) -> bool:
-    from causal_lm.model import decode_attention
-
     return decode_attention.native_here(q.dtype, k.dtype)
 
 
