@@ -1124,6 +1124,14 @@ MUTANTS = [
         why="the GGUF writer leaves q/k in the Hugging Face rotary layout: llama.cpp would decode another model",
     ),
     dict(
+        name="lora-trained-base-ignored",
+        file="causal_lm/train/loop.py",
+        old="            base, _, meta = ckpt.restore(s, params)",
+        new="            _, _, meta = ckpt.restore(s, params)",
+        tests=["tests/test_lora.py::test_lora_on_a_trained_workdir_takes_its_weights_as_the_base"],
+        why="LoRA on a trained workdir adapts a fresh random model instead of the trained weights it names",
+    ),
+    dict(
         name="lora-scale-alpha-not-over-rank",
         file="causal_lm/train/lora.py",
         old="return float(train_config.lora_alpha) / float(train_config.lora_rank)",

@@ -136,3 +136,26 @@ def test_bad_lora_settings_fail_with_one_line():
         TrainConfig(lora_rank=-1)
     with pytest.raises(ConfigError, match="lora_alpha"):
         TrainConfig(lora_rank=2, lora_alpha=0)
+
+
+def test_lora_on_a_trained_workdir_takes_its_weights_as_the_base(tmp_path):
+    """LoRA fine-tunes a full training run in its own workdir: the newest checkpoint's weights become the frozen
+    base (bitwise), the step count continues from it, and only the adapters are trained and saved after it."""
+    workdir = str(tmp_path / "run")
+    plain = [r for r in RUN if not r.startswith("train.lora")]
+    train_and_evaluate(load_config("tiny", [*plain, "train.steps=2"]), workdir)
+    config = load_config("tiny", [*RUN, "train.steps=4"])
+    graphdef, params, _ = init_params(config.model, 0)
+    ckpt = Checkpointer(workdir, read_only=True)
+    try:
+        trained, _, _ = ckpt.restore(2, params)
+    finally:
+        ckpt.close()
+    train_and_evaluate(config, workdir)
+    base = load_frozen_base(workdir, params)
+    for k, v in _leaves(trained).items():
+        np.testing.assert_array_equal(_leaves(base)[k], v)
+    assert [r["step"] for r in read_metrics(workdir) if "loss" in r][-2:] == [3, 4]
+    p, s, _ = _adapter_state(workdir, 4, config, base)
+    assert int(s["step"]) == 4
+    assert {k[-1] for k in _leaves(p)} == {"lora_a", "lora_b"} and {k[-2] for k in _leaves(p)} == TARGETS

@@ -455,6 +455,7 @@ def _restore_or_init_lora(config: Config, workdir: str, ckpt: Checkpointer, data
     if mesh is not None:
         raise ConfigError("train.lora_rank: LoRA runs on one device for now (no mesh)")
     graphdef, params, rest = init_params(m, t.seed)
+    base_step = 0  # > 0: the step of the full training run whose weights are the base
     lora_steps = [s for s in candidates if _is_lora_checkpoint(ckpt, s)]
     others = [s for s in candidates if s not in lora_steps]
     if os.path.isdir(os.path.join(workdir, FROZEN_DIR, CHECKPOINT_DIR)):
@@ -463,13 +464,15 @@ def _restore_or_init_lora(config: Config, workdir: str, ckpt: Checkpointer, data
         base = load_frozen_base(workdir, params)  # raises: adapters without their base
     else:
         base = params
-        if others:  # a converted model (inference-only checkpoint) to fine-tune: it is the base
+        if others:  # a converted model (inference-only checkpoint) or a trained one to fine-tune: it is the base
             s = others[0]
-            base, train_state, _ = ckpt.restore(s, params)
-            if train_state is not None or ckpt.read_meta(s).get("has_train_state"):
-                raise ConfigError(
-                    f"train.lora_rank={t.lora_rank}: {workdir!r} holds a full training run (checkpoint {s}); LoRA "
-                    "fine-tunes a fresh model or a converted one: run it in a workdir of its own"
+            base, _, meta = ckpt.restore(s, params)
+            if meta.get("has_train_state"):  # a full training run: continue its step count, as a new task does
+                base_step = s
+                note(
+                    f"train.lora_rank={t.lora_rank} continues {workdir!r} from its "
+                    f"{meta['config'].get('train', {}).get('task', 'lm')} checkpoint {s}: its weights as the frozen "
+                    f"base, fresh adapters, steps {base_step + 1}..{t.steps}"
                 )
         if parallel.is_main_process():
             meta = {"config": config_to_dict(config), "tokenizer": data.tokenizer.to_dict(), "data_state": None}
@@ -477,6 +480,9 @@ def _restore_or_init_lora(config: Config, workdir: str, ckpt: Checkpointer, data
     adapters = init_adapters(base, t.lora_targets, t.lora_rank, t.seed)
     state = init_train_state(adapters, make_optimizer(t), t.seed)
     start, changed = 0, []
+    if base_step:
+        state = dataclasses.replace(state, step=base_step)
+        start = base_step
     if lora_steps:
         restored, adapters, train_state, meta = _restore_newest_intact(ckpt, lora_steps, state, data.tokenizer, workdir)
         state = dataclasses.replace(state, params=adapters, **train_state)
