@@ -31,7 +31,9 @@ def files(tmp_path_factory):
     config = tiny_config("gqa", d_model=64, num_heads=4, mlp_dim=128, vocab_size=320, max_seq_len=64, init_std=0.2)
     model = build_model(config, seed=3)
     folder = tmp_path_factory.mktemp("llamacpp")
-    return {t: llamacpp.write_gguf(model, str(folder / f"m-{t}.gguf"), t) for t in llamacpp.TYPES}
+    files = {t: llamacpp.write_gguf(model, str(folder / f"m-{t}.gguf"), t) for t in llamacpp.TYPES}
+    files["source"] = model
+    return files
 
 
 PROMPT = [300, 261, 270, 299, 305, 262, 280, 290, 311, 264]
@@ -77,7 +79,12 @@ def test_llamacpp_and_we_read_each_file_alike(files, qtype):
 
 
 def test_llamacpp_and_we_decode_float32_to_the_same_greedy_tokens(files):
+    """...and the F32 file is the model it was written from (a writer that left q/k in the wrong rotary layout
+    would still have llama.cpp and our loader agree with each other, on another model)."""
     ours, _ = load_gguf(files["F32"])
+    source = generate(files["source"], [PROMPT], max_new_tokens=4, return_logits=True)
+    loaded = generate(ours, [PROMPT], max_new_tokens=4, return_logits=True)
+    np.testing.assert_allclose(loaded.logits, source.logits, rtol=0, atol=1e-5)
     peer = llamacpp.LlamaCpp(files["F32"], n_ctx=48, threads=2)
     try:
         theirs, _ = peer.generate(PROMPT, 16)
