@@ -15,7 +15,8 @@ from variants import tiny_config, tiny_model
 
 import causal_lm
 from causal_lm.decode import generate
-from causal_lm.model import decode_attention, native
+from causal_lm.model import decode_attention, kernels, native
+from causal_lm.model.mask import AttentionMask
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -29,6 +30,7 @@ def _kernels_built():
 
 _scores = jax.jit(decode_attention.scores)
 _values = jax.jit(decode_attention.values)
+_attend = jax.jit(decode_attention.attend, static_argnames=("scale", "softcap"))
 
 
 @pytest.mark.parametrize("T,K,G,H", [(1, 3, 3, 64), (3, 2, 2, 16), (2, 1, 4, 12)])  # H 12: the scalar path
@@ -74,10 +76,9 @@ def test_the_decode_step_routes_attention_through_the_kernels():
         return nnx.merge(graphdef, state)(tokens, cache=cache, layers=layers)[0]
 
     text = jax.jit(step).lower(state, model.split_layers(), jnp.zeros((1, 1), jnp.int32), cache).as_text()
-    assert set(re.findall(r"causal_lm_decode_attention_\w+", text)) == {
-        "causal_lm_decode_attention_scores",
-        "causal_lm_decode_attention_values",
-    }
+    # the whole attention in one call per layer, over the cache's stacked buffers (not a slice of them)
+    calls = re.findall(r"custom_call @(causal_lm_decode_attention\w*)\(", text)
+    assert calls == ["causal_lm_decode_attention"] * model.config.num_layers, calls
 
 
 VARIANTS = {
@@ -96,3 +97,78 @@ def test_decoding_through_the_kernels_equals_recompute(name):
     recomputed = generate(model, prompts, max_new_tokens=8, use_cache=False, return_logits=True)
     assert cached.tokens == recomputed.tokens
     np.testing.assert_allclose(cached.logits, recomputed.logits, rtol=0, atol=1e-5)
+
+
+# ---- the whole attention over a contiguous cache's stacked buffers (`decode_attention.attend`) ----------------
+
+
+@pytest.mark.parametrize(
+    "T,K,G,H,C,extras",
+    [
+        (1, 3, 3, 64, 150, ()),  # three chunks, the last one partial
+        (2, 2, 2, 16, 64, ("sink",)),  # one whole chunk
+        (3, 1, 4, 12, 70, ("softcap",)),  # H 12: the scalar paths
+        (1, 2, 1, 8, 200, ("sink", "softcap")),
+    ],
+)
+def test_whole_attention_equals_xla_and_does_not_depend_on_the_batch(T, K, G, H, C, extras):
+    rng = np.random.default_rng(2)
+    L, B, layer = 3, 4, 1
+    q = jnp.asarray(rng.standard_normal((B, T, K * G, H)) * 2, jnp.float32)
+    k = jnp.asarray(rng.standard_normal((L, B, C, K, H)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((L, B, C, K, H + 8)), jnp.float32)
+    # rows of different lengths, causal within the queries; row 3 sees nothing (zeros, or the sink alone)
+    lengths = np.array([C - 5, 70, 9, 0])
+    visible = np.arange(C)[None, None, :] < (lengths[:, None, None] - T + 1 + np.arange(T)[None, :, None])
+    visible[3] = False
+    visible = jnp.asarray(visible)
+    kw = dict(
+        scale=H**-0.5,
+        sink=jnp.asarray(rng.standard_normal(K * G), jnp.float32) if "sink" in extras else None,
+        softcap=5.0 if "softcap" in extras else None,
+    )
+    got = np.asarray(_attend(q, k, v, layer, visible, **kw))
+    want = np.asarray(
+        kernels.reference_attention(q, k[layer], v[layer], AttentionMask(visible=visible), **kw)[0]
+    )
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
+    if "sink" not in extras:
+        assert not got[3].any()  # a row that sees no slot gets zeros
+    # row 1 alone (its own cache rows): the same bits as within the batch of 4
+    alone = _attend(q[1:2], k[:, 1:2], v[:, 1:2], layer, visible[1:2], **kw)
+    np.testing.assert_array_equal(np.asarray(alone)[0], got[1])
+
+
+def test_whole_attention_reads_the_layer_it_is_given_and_has_a_gradient():
+    rng = np.random.default_rng(3)
+    q = jnp.asarray(rng.standard_normal((2, 1, 4, 8)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((3, 2, 70, 2, 8)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((3, 2, 70, 2, 8)), jnp.float32)
+    visible = jnp.asarray(np.arange(70)[None, None, :] < np.array([66, 3])[:, None, None])
+    sink = jnp.asarray(rng.standard_normal(4), jnp.float32)
+    outs = [np.asarray(_attend(q, k, v, layer, visible, scale=0.3)) for layer in range(3)]
+    assert not np.allclose(outs[0], outs[2])
+    with pytest.raises(Exception, match="layer out of range"):
+        np.asarray(decode_attention.attend(q, k, v, 3, visible, scale=0.3))
+
+    def ours(q, k, v, sink):
+        return jnp.sum(jnp.sin(decode_attention.attend(q, k, v, 2, visible, scale=0.3, sink=sink)))
+
+    def xla(q, k, v, sink):
+        mask = AttentionMask(visible=visible)
+        return jnp.sum(jnp.sin(kernels.reference_attention(q, k[2], v[2], mask, scale=0.3, sink=sink)[0]))
+
+    for a, b in zip(jax.grad(ours, (0, 1, 2, 3))(q, k, v, sink), jax.grad(xla, (0, 1, 2, 3))(q, k, v, sink), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_few_queries_over_keys_outside_a_cache_use_the_products():
+    """Outside a contiguous cache's in-place path (e.g. a ring's old slots joined to a chunk), a decode trace's few
+    float32 queries still go to the C++ products; outside a decode trace (training, scoring) to XLA."""
+    from causal_lm.model import matvec
+
+    q, k = jnp.zeros((1, 2, 4, 8)), jnp.zeros((1, 5, 2, 8))
+    mask = AttentionMask(visible=jnp.ones((1, 2, 5), bool))
+    assert kernels.select_kernel(q, k, mask) is not kernels.native_attention
+    with matvec.native_products():
+        assert kernels.select_kernel(q, k, mask) is kernels.native_attention

@@ -130,9 +130,10 @@ class Attention(nnx.Module):
         k, v = self._finish_kv(k, v, cos, sin)  # [B, T, K, H]
         sink = self.sink[...] if c.attn_sink else None
         mask = ctx.mask_for(layer)
-        if cache is not None and self._reads_pages_in_place(cache, q, mask, ctx):
-            # A decode step over a paged cache on the CPU: the C++ kernel reads K/V where they lie in the pool
-            # instead of gathering each row's pages into a copy first (paged_cache.PagedKVCache.attend).
+        if cache is not None and self._reads_in_place(cache, q, mask, ctx):
+            # A decode step on the CPU: a C++ kernel reads K/V where they lie, in the paged pool (instead of
+            # gathering each row's pages into a copy, paged_cache.PagedKVCache.attend) or in the contiguous cache's
+            # stacked buffers (instead of slicing the layer out into a copy, kv_cache.KVCache.attend).
             cache = cache.write(layer, {"k": k, "v": v}, ctx.plan)
             out = cache.attend(
                 layer,
@@ -161,8 +162,8 @@ class Attention(nnx.Module):
         )  # [B, T, N, H]
         return self._output(x, out), cache, weights
 
-    def _reads_pages_in_place(self, cache, q, mask, ctx: AttentionContext) -> bool:
-        """Whether this call's attention is the paged cache's in-place kernel: the cache offers it for these
+    def _reads_in_place(self, cache, q, mask, ctx: AttentionContext) -> bool:
+        """Whether this call's attention is the cache's in-place kernel: the cache offers it for these
         queries, and nothing asks for what only the XLA kernels give (the weights, the batch-invariant mode, the
         zero-after-softmax variant, a named fused backend)."""
         attends = getattr(cache, "attends_in_place", None)
@@ -172,7 +173,7 @@ class Attention(nnx.Module):
             and not ctx.invariant
             and mask.zero_after is None
             and self.config.attention_impl in ("auto", "xla")
-            and attends(q)
+            and attends(q, ctx.plan)
         )
 
     def _output(self, x, out):

@@ -250,6 +250,39 @@ class KVCache:
         return dataclasses.replace(self, groups=groups, lengths=jnp.repeat(self.lengths, n, axis=0))
 
     # ---- storage -----------------------------------------------------------------------------------------------
+    # ---- a decode step read in place (csrc/decode_attention.cc) ------------------------------------------------
+    def attends_in_place(self, q, plan: CacheWrite | None = None) -> bool:
+        """Whether `attend` can compute this call's attention for queries q [B, T, N, H] (static facts only): a
+        decode step's few float32 queries over float32 K/V storage, attending over the slots only (not a ring's
+        old slots plus the chunk), on the CPU with the kernel built, in a decode trace (`matvec.native_products`,
+        outside the batch-invariant scoring mode). Elsewhere the caller reads with `update` and the XLA kernels."""
+        from causal_lm.model import decode_attention, kernels
+
+        return (
+            tuple(self.names) == ("k", "v")
+            and self.storage == "float32"
+            and q.shape[1] <= kernels.FEW_QUERIES
+            and plan is not None
+            and not any(plan.read_old)
+            and decode_attention.native_here(q.dtype)
+        )
+
+    def write(self, layer, new: dict, plan: CacheWrite) -> KVCache:
+        """The cache with layer `layer`'s new entries (name -> [B, T, ...]) written, in place in the stacked
+        buffers (the first half of `update`, for `attend`)."""
+        g, i = self.locate(layer)
+        return self._write(g, i, new, plan)
+
+    def attend(self, layer, q, visible, *, scale: float, sink=None, softcap=None):
+        """Attention of q [B, T, N, H] over layer `layer`'s slots (after `write`) under the mask visible [B, T, C]:
+        out [B, T, N, Hv] float32, what `update` + `kernels.attention` compute, with the layer read where it lies in
+        the stacked buffer by one C++ call (`decode_attention.attend`). Only where `attends_in_place(q, plan)`."""
+        from causal_lm.model import decode_attention
+
+        g, i = self.locate(layer)
+        arrays = self.groups[g].arrays
+        return decode_attention.attend(q, arrays["k"], arrays["v"], i, visible, scale=scale, sink=sink, softcap=softcap)
+
     def _write(self, g: int, i, new: dict, plan: CacheWrite) -> KVCache:
         group = self.groups[g]
         arrays = dict(group.arrays)

@@ -262,7 +262,7 @@ class PagedKVCache:
         groups[g] = dataclasses.replace(group, arrays=arrays)
         return dataclasses.replace(self, pool=dataclasses.replace(self.pool, groups=tuple(groups)))
 
-    def attends_in_place(self, q) -> bool:
+    def attends_in_place(self, q, plan=None) -> bool:
         """Whether `attend` can compute attention for queries q [B, T, N, H] here (static facts only): a few
         queries (decode), K/V storage (float32 or int8) read by the C++ kernel `csrc/paged_attention.cc`, on the
         CPU with the kernel built. Elsewhere (MLA's latent, bfloat16 / float8 storage, GPU/TPU,

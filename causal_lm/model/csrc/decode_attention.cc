@@ -1,5 +1,8 @@
-// The two products of decode attention over a cache read in place, for a few queries (causal_lm/model/kernels.py,
-// `native_attention`): XLA:CPU runs them as small batched matmuls at a fifth of the memory bandwidth, and a decode
+// Decode attention over a cache read in place, for a few queries. Two forms: the whole attention of one layer over
+// a contiguous cache's stacked buffers (`causal_lm_decode_attention`, kv_cache.KVCache.attend: the decoder's decode
+// steps; described with its code below), and the two products alone with the softmax left to XLA (below first,
+// causal_lm/model/kernels.py `native_attention`: a few queries over keys that are not a cache's buffers, e.g. a
+// ring's old slots joined to the chunk). XLA:CPU runs the products as small batched matmuls at a fifth of the memory bandwidth, and a decode
 // step of a 135M model spends as long on them as on a third of its weights.
 //
 //   scores  s[b, kh, g, t, j] = q[b, t, kh * G + g, :] . k[b, j, kh, :]          (float32, unscaled)
@@ -18,12 +21,17 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define CLM_AVX2 1
+#define CLM_VECTOR true
+#else
+#define CLM_VECTOR false
 #endif
 
 #include "xla/ffi/api/ffi.h"
@@ -135,6 +143,212 @@ ffi::Error Values(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
+
+// ---- the whole attention over a contiguous cache, read in place ------------------------------------------------
+//
+//   out[b, t, n] = sum_j w[b, t, n, j] * v[layer, b, j, n / G]
+//   w = softmax_j(score) over the visible slots j (+ the sink logit in the denominator), zeros for a row that sees
+//   no slot (without a sink); score = q[b, t, n] . k[layer, b, j, n / G] * scale, then softcap * tanh(score /
+//   softcap) when softcap > 0 (kernels.masked_softmax's rules).
+//
+// k [L, B, C, K, H] and v [L, B, C, K, Hv] are the cache's stacked buffers and `layer` a scalar operand: the layer is
+// read where it lies (an XLA slice of it would be a copy of the whole layer per call), slots nobody sees are not
+// read at all. visible [B, T, C] is the one mask function's output. Work items are (row b, chunk of kChunk slots):
+// each reads its slots' keys and values once, contiguously, for every head, and leaves a partial softmax (its max,
+// its sum of exponentials, its weighted sum of values); the partials are then merged per output in increasing chunk
+// order. The chunks are fixed slot ranges, so a row's result does not depend on the batch or the threads.
+// Order within a chunk: each dot product summed as `dot` sums it (eight slots at a time on the AVX2 path,
+// `lanes_sum8`, the same tree), exponentials by `exp_approx` (the same float operations on both paths), the sum of
+// exponentials and each value sum over slots in increasing order. Measured on Zen 4, the 135M shape at context 512
+// (a jitted decode step, one process, alternated with the two-product form it replaces, which sliced the layer out
+// and ran the softmax in XLA): int8 weights batch 1 11.7 -> 9.9 ms a step, batch 8 41.2 -> 36.8; float32 batch 1
+// 23.7 -> 18.6, batch 8 47.2 -> 38.5.
+constexpr int64_t kChunk = 64;
+
+// e^x for x <= 0 (scores minus their max), to ~2 ulp: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r,
+// times 2^n; below -87 it is 0. Scalar and AVX2 forms do the same float operations in the same order.
+inline float exp_approx(float x) {
+  if (x < -87.0f) return 0.0f;
+  const float n = std::nearbyint(x * 1.44269504f);
+  float r = std::fma(n, -0.693145752f, x);
+  r = std::fma(n, -1.42860677e-06f, r);
+  float p = 1.38888889e-03f;
+  p = std::fma(p, r, 8.33333333e-03f);
+  p = std::fma(p, r, 4.16666667e-02f);
+  p = std::fma(p, r, 1.66666667e-01f);
+  p = std::fma(p, r, 0.5f);
+  p = std::fma(p, r, 1.0f);
+  p = std::fma(p, r, 1.0f);
+  return std::ldexp(p, static_cast<int>(n));
+}
+
+#ifdef CLM_AVX2
+inline __m256 exp_approx8(__m256 x) {
+  const __m256 dead = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693145752f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(-1.42860677e-06f), r);
+  __m256 p = _mm256_set1_ps(1.38888889e-03f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.33333333e-03f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.16666667e-02f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.66666667e-01f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(dead, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+#endif
+
+struct Fused {
+  int64_t B, T, N, K, G, C, H, Hv, chunks;
+  int64_t layer;
+  float scale, softcap;
+  bool has_sink;
+  int64_t rows() const { return T * N; }  // softmax rows of one batch row: (t, n)
+};
+
+#ifdef CLM_AVX2
+// Eight dot products at once, each summed exactly as `dot` sums one: a[s] holds slot s's 8 lanes; out[s] =
+// ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)) of a[s], computed for the eight together.
+inline __m256 lanes_sum8(const __m256* a) {
+  __m256 x[4];
+  for (int p = 0; p < 4; ++p)  // [l0+l4, l1+l5, l2+l6, l3+l7] of a[2p] | of a[2p+1]
+    x[p] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x20),
+                         _mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x31));
+  // [(l0+l4)+(l2+l6), (l1+l5)+(l3+l7)] of a[0], a[2] | of a[1], a[3]; then of a[4], a[6] | a[5], a[7]
+  const __m256 y0 = _mm256_add_ps(_mm256_shuffle_ps(x[0], x[1], 0x44), _mm256_shuffle_ps(x[0], x[1], 0xEE));
+  const __m256 y1 = _mm256_add_ps(_mm256_shuffle_ps(x[2], x[3], 0x44), _mm256_shuffle_ps(x[2], x[3], 0xEE));
+  const __m256 z = _mm256_hadd_ps(y0, y1);  // [s0, s2, s4, s6 | s1, s3, s5, s7]
+  return _mm256_permutevar8x32_ps(z, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+#endif
+
+// Row b, slots [c * kChunk, ...): per softmax row r = (t, n), its max m, sum of exponentials l and weighted sum of
+// values acc [Hv] over the chunk's visible slots (m = -inf: none visible).
+void chunk_item(const Fused& d, const float* q, const float* k, const float* v, const bool* visible, int64_t b,
+                int64_t c, float* m, float* l, float* acc) {
+  const int64_t R = d.rows(), j0 = c * kChunk, J = std::min(kChunk, d.C - j0);
+  const float ninf = -std::numeric_limits<float>::infinity();
+  bool any = false;
+  for (int64_t t = 0; t < d.T && !any; ++t)
+    for (int64_t j = 0; j < J; ++j) any |= visible[(b * d.T + t) * d.C + j0 + j];
+  std::fill_n(m, R, ninf);
+  std::fill_n(l, R, 0.0f);
+  std::fill_n(acc, R * d.Hv, 0.0f);
+  if (!any) return;
+  thread_local std::vector<float> scratch;
+  scratch.resize(static_cast<size_t>(R * kChunk));
+  const int64_t kstride = d.K * d.H, vstride = d.K * d.Hv;  // floats from one slot to the next
+  const float* k0 = k + ((d.layer * d.B + b) * d.C + j0) * kstride;
+  const float* v0 = v + ((d.layer * d.B + b) * d.C + j0) * vstride;
+  float* scores = scratch.data();  // scores[r * kChunk + j], r = t * N + n
+  // Keys: one pass over the chunk's contiguous [J, K, H] block in slot order, eight slots at a time.
+  for (int64_t j = 0; j < J;) {
+    const int64_t step = (CLM_VECTOR && d.H % 8 == 0 && j + 8 <= J) ? 8 : 1;
+    for (int64_t t = 0; t < d.T; ++t)
+      for (int64_t n = 0; n < d.N; ++n) {
+        const float* qv = q + ((b * d.T + t) * d.N + n) * d.H;
+        const float* kj = k0 + j * kstride + (n / d.G) * d.H;
+        float* s = scores + (t * d.N + n) * kChunk + j;
+#ifdef CLM_AVX2
+        if (step == 8) {
+          __m256 a[8];
+          for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
+          for (int64_t i = 0; i < d.H; i += 8) {
+            const __m256 x = _mm256_loadu_ps(qv + i);
+            for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(x, _mm256_loadu_ps(kj + u * kstride + i), a[u]);
+          }
+          _mm256_storeu_ps(s, lanes_sum8(a));
+          continue;
+        }
+#endif
+        s[0] = dot(qv, kj, d.H);
+      }
+    j += step;
+  }
+  // The softmax's partial over the chunk, per row.
+  for (int64_t r = 0; r < R; ++r) {
+    const bool* vis = visible + (b * d.T + r / d.N) * d.C + j0;
+    float* s = scores + r * kChunk;
+    float mr = ninf;
+    for (int64_t j = 0; j < J; ++j) {
+      float x = s[j] * d.scale;
+      if (d.softcap > 0) x = std::tanh(x / d.softcap) * d.softcap;
+      s[j] = vis[j] ? x : ninf;
+      mr = std::max(mr, s[j]);
+    }
+    m[r] = mr;
+    if (mr == ninf) continue;
+    int64_t j = 0;
+#ifdef CLM_AVX2
+    const __m256 mv = _mm256_set1_ps(mr);
+    for (; j + 8 <= J; j += 8) _mm256_storeu_ps(s + j, exp_approx8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv)));
+#endif
+    for (; j < J; ++j) s[j] = exp_approx(s[j] - mr);
+    float lr = 0.0f;
+    for (j = 0; j < J; ++j) lr += s[j];
+    l[r] = lr;
+  }
+  // Values: one pass over the chunk's [J, K, Hv] block in slot order; acc += w * v, increasing j.
+  for (int64_t j = 0; j < J; ++j) {
+    const float* vj = v0 + j * vstride;
+    for (int64_t r = 0; r < R; ++r) {
+      const float w = scores[r * kChunk + j];
+      if (w != 0.0f) axpy(w, vj + ((r % d.N) / d.G) * d.Hv, acc + r * d.Hv, d.Hv);
+    }
+  }
+}
+
+ffi::Error Attention(ffi::ThreadPool pool, float scale, float softcap, int32_t has_sink, ffi::Buffer<ffi::F32> q,
+                     ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer,
+                     ffi::Buffer<ffi::PRED> visible, ffi::Buffer<ffi::F32> sink, ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (qd.size() != 4 || kd.size() != 5 || vd.size() != 5 || kd[1] != qd[0] || vd[1] != qd[0] || kd[4] != qd[3] ||
+      vd[0] != kd[0] || vd[2] != kd[2] || vd[3] != kd[3] || kd[3] < 1 || qd[2] % kd[3])
+    return ffi::Error::InvalidArgument("decode_attention: q [B, T, N, H], k [L, B, C, K, H], v [L, B, C, K, Hv]");
+  Fused d;
+  d.B = qd[0], d.T = qd[1], d.N = qd[2], d.H = qd[3], d.C = kd[2], d.K = kd[3], d.G = d.N / d.K, d.Hv = vd[4];
+  d.chunks = (d.C + kChunk - 1) / kChunk;
+  d.layer = layer.typed_data()[0];
+  d.scale = scale, d.softcap = softcap, d.has_sink = has_sink != 0;
+  if (static_cast<int64_t>(visible.element_count()) != d.B * d.T * d.C || (d.has_sink && sink.element_count() != static_cast<size_t>(d.N)))
+    return ffi::Error::InvalidArgument("decode_attention: visible [B, T, C], sink [N]");
+  if (d.layer < 0 || d.layer >= kd[0]) return ffi::Error::InvalidArgument("decode_attention: layer out of range");
+  const int64_t R = d.rows(), parts = d.B * d.chunks;
+  thread_local std::vector<float> partial;
+  partial.resize(static_cast<size_t>(parts * R * (d.Hv + 2)));
+  float *pm = partial.data(), *pl = pm + parts * R, *pa = pl + parts * R;
+  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
+  const bool* vis = reinterpret_cast<const bool*>(visible.untyped_data());
+  parallel_items(parts, pool, [&d, qp, kp, vp, vis, pm, pl, pa, R](int64_t i) {
+    chunk_item(d, qp, kp, vp, vis, i / d.chunks, i % d.chunks, pm + i * R, pl + i * R, pa + i * R * d.Hv);
+  });
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const float* sk = sink.typed_data();
+  float* o = out->typed_data();
+  for (int64_t b = 0; b < d.B; ++b)
+    for (int64_t r = 0; r < R; ++r) {
+      float* orow = o + (b * R + r) * d.Hv;
+      float mr = d.has_sink ? sk[r % d.N] : ninf;
+      for (int64_t c = 0; c < d.chunks; ++c) mr = std::max(mr, pm[(b * d.chunks + c) * R + r]);
+      std::fill_n(orow, d.Hv, 0.0f);
+      if (mr == ninf) continue;  // sees no slot and has no sink: zeros
+      float lr = d.has_sink ? exp_approx(sk[r % d.N] - mr) : 0.0f;
+      for (int64_t c = 0; c < d.chunks; ++c) {
+        const int64_t at = (b * d.chunks + c) * R + r;
+        if (pm[at] == ninf) continue;
+        const float f = exp_approx(pm[at] - mr);
+        lr = std::fma(f, pl[at], lr);
+        axpy(f, pa + at * d.Hv, orow, d.Hv);
+      }
+      const float inv = 1.0f / std::max(lr, 1.17549435e-38f);
+      for (int64_t h = 0; h < d.Hv; ++h) orow[h] *= inv;
+    }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(causal_lm_decode_attention_scores, Scores,
@@ -147,5 +361,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(causal_lm_decode_attention_values, Values,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(causal_lm_decode_attention, Attention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap")
+                                  .Attr<int32_t>("has_sink")
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
