@@ -1116,6 +1116,24 @@ MUTANTS = [
         why="a few queries over keys that are not a cache's buffers never reach the C++ products",
     ),
     dict(
+        name="matvec-int4-kept-high-nibbles-of-the-first-block",
+        file="causal_lm/model/csrc/matvec.cc",
+        old="wv[b] = keep ? high[i / 8][b] :",
+        new="wv[b] = keep ? high[0][b] :",
+        tests=["tests/test_matvec.py::test_quantized_kernels_equal_the_dequantized_float_product[64-70-int4-g32]"],
+        why="an int4 group's high nibbles, widened once and kept, are all taken from its first 8 bytes",
+    ),
+    dict(
+        name="fused-quantized-products-one-scale",
+        file="causal_lm/model/quant.py",
+        old="        join([q.scale for q in qs]),",
+        new="        join([first.scale for q in qs]),",
+        tests=[
+            "tests/test_matvec.py::test_fused_quantized_products_are_the_separate_ones_side_by_side[int8-32-False]"
+        ],
+        why="fused q/k/v (gate/up) of a quantized layer all scaled by q's (gate's) scales",
+    ),
+    dict(
         name="decode-attention-in-place-not-routed",
         file="causal_lm/model/kv_cache.py",
         old="            and decode_attention.native_here(q.dtype)",
@@ -1136,7 +1154,9 @@ MUTANTS = [
         file="causal_lm/model/csrc/decode_attention.cc",
         old="      for (int64_t c = 0; c < d.chunks; ++c) {\n        const int64_t at",
         new="      for (int64_t c = 0; c + 1 < d.chunks; ++c) {\n        const int64_t at",
-        tests=["tests/test_decode_attention.py::test_whole_attention_equals_xla_and_does_not_depend_on_the_batch[1-3-3-64-150-extras0]"],
+        tests=[
+            "tests/test_decode_attention.py::test_whole_attention_equals_xla_and_does_not_depend_on_the_batch[1-3-3-64-150-extras0]"
+        ],
         why="the newest keys (the last chunk of slots) never reach the output",
     ),
     dict(
@@ -1144,7 +1164,9 @@ MUTANTS = [
         file="causal_lm/model/csrc/decode_attention.cc",
         old="J = std::min(kChunk, d.C - j0);",
         new="J = std::min(kChunk - 1, d.C - j0);",
-        tests=["tests/test_decode_attention.py::test_whole_attention_equals_xla_and_does_not_depend_on_the_batch[1-3-3-64-150-extras0]"],
+        tests=[
+            "tests/test_decode_attention.py::test_whole_attention_equals_xla_and_does_not_depend_on_the_batch[1-3-3-64-150-extras0]"
+        ],
         why="the last slot of every chunk is skipped (a group boundary off by one)",
     ),
     dict(
@@ -1152,7 +1174,9 @@ MUTANTS = [
         file="causal_lm/model/csrc/decode_attention.cc",
         old="_mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)",
         new="_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)",
-        tests=["tests/test_decode_attention.py::test_whole_attention_equals_xla_and_does_not_depend_on_the_batch[1-3-3-64-150-extras0]"],
+        tests=[
+            "tests/test_decode_attention.py::test_whole_attention_equals_xla_and_does_not_depend_on_the_batch[1-3-3-64-150-extras0]"
+        ],
         why="the eight dot products of a block land on the wrong slots",
     ),
     dict(
@@ -1160,7 +1184,9 @@ MUTANTS = [
         file="causal_lm/model/csrc/decode_attention.cc",
         old="      float lr = d.has_sink ? exp_approx(sk[r % d.N] - mr) : 0.0f;",
         new="      float lr = 0.0f;",
-        tests=["tests/test_decode_attention.py::test_whole_attention_equals_xla_and_does_not_depend_on_the_batch[2-2-2-16-64-extras1]"],
+        tests=[
+            "tests/test_decode_attention.py::test_whole_attention_equals_xla_and_does_not_depend_on_the_batch[2-2-2-16-64-extras1]"
+        ],
         why="the sink logit leaves the softmax's denominator (gpt-oss-style attention sinks silently off)",
     ),
     dict(

@@ -128,9 +128,7 @@ def test_whole_attention_equals_xla_and_does_not_depend_on_the_batch(T, K, G, H,
         softcap=5.0 if "softcap" in extras else None,
     )
     got = np.asarray(_attend(q, k, v, layer, visible, **kw))
-    want = np.asarray(
-        kernels.reference_attention(q, k[layer], v[layer], AttentionMask(visible=visible), **kw)[0]
-    )
+    want = np.asarray(kernels.reference_attention(q, k[layer], v[layer], AttentionMask(visible=visible), **kw)[0])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
     if "sink" not in extras:
         assert not got[3].any()  # a row that sees no slot gets zeros
@@ -158,7 +156,9 @@ def test_whole_attention_reads_the_layer_it_is_given_and_has_a_gradient():
         mask = AttentionMask(visible=visible)
         return jnp.sum(jnp.sin(kernels.reference_attention(q, k[2], v[2], mask, scale=0.3, sink=sink)[0]))
 
-    for a, b in zip(jax.grad(ours, (0, 1, 2, 3))(q, k, v, sink), jax.grad(xla, (0, 1, 2, 3))(q, k, v, sink), strict=True):
+    for a, b in zip(
+        jax.grad(ours, (0, 1, 2, 3))(q, k, v, sink), jax.grad(xla, (0, 1, 2, 3))(q, k, v, sink), strict=True
+    ):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 

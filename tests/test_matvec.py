@@ -16,7 +16,7 @@ from variants import tiny_config, tiny_model
 
 import causal_lm
 from causal_lm.decode import generate
-from causal_lm.model import build_model, matvec, native
+from causal_lm.model import build_model, matvec, native, quant
 from causal_lm.model.quant import QArray, quantize, quantize_array
 
 
@@ -123,8 +123,8 @@ def test_the_decode_step_reads_int8_and_int4_weights_through_the_kernels():
         qmodel = quantize(model, fmt, group_size=None if fmt == "int8" else 32)
         text, hlo = _step_texts(qmodel)
         calls = _kernel_weights(text)
-        # unfused (a quantized layer keeps its 3 + 1 + 3 products) x 2 layers, plus the head
-        assert len(calls) == 2 * 7 + 1, calls
+        # fused as the float form (q/k/v, o, gate/up, down: 4 products) x 2 layers, plus the head
+        assert len(calls) == 2 * 4 + 1, calls
         for _, operand in calls:
             *dims, kind = operand.split("x")
             assert kind == dtype, (fmt, operand)
@@ -155,3 +155,31 @@ def test_turned_off_the_step_has_no_kernel_call(monkeypatch):
     model = tiny_model(tiny_config("gqa"))
     text, _ = _step_texts(model)
     assert "causal_lm_matvec" not in text
+
+
+@pytest.mark.parametrize(
+    "fmt,group,minimums", [("int8", 0, False), ("int8", 32, False), ("int4", 32, True), ("int4", 16, False)]
+)
+def test_fused_quantized_products_are_the_separate_ones_side_by_side(fmt, group, minimums):
+    """The decode form fuses q/k/v and gate/up of a quantized layer into one weight (`quant.concat_outputs`): its
+    kernel product is the separate products' outputs side by side, bit for bit (each output's sum is its own)."""
+    rng = np.random.default_rng(5)
+    bits = 8 if fmt == "int8" else 4
+    parts = [
+        quant._quantized(jnp.asarray(rng.standard_normal((64, n)), jnp.float32), 1, bits, group, minimums, False, "w")
+        for n in (48, 16, 16)
+    ]
+    fused = quant.concat_outputs(parts)
+    assert fused is not None and fused.out_shape == (80,)
+    x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+
+    @jax.jit
+    def products(x, qs):
+        with matvec.native_products():
+            return [q.out_major().matmul(x, 1) for q in qs]
+
+    (whole,), separate = products(x, [fused[...]]), products(x, [w[...] for w in parts])
+    np.testing.assert_array_equal(np.asarray(whole), np.concatenate([np.asarray(y) for y in separate], axis=1))
+    # formats that cannot share one product are not fused
+    other = quant._quantized(jnp.ones((64, 8), jnp.float32), 1, 8 if bits == 4 else 4, 32, False, False, "w")
+    assert quant.concat_outputs([parts[0], other]) is None

@@ -23,6 +23,7 @@ from causal_lm.model.context import AttentionContext
 from causal_lm.model.kernels import attention
 from causal_lm.model.kv_cache import KVCache
 from causal_lm.model.layers import norm, normal_param, project
+from causal_lm.model.quant import QuantizedWeight, concat_outputs
 from causal_lm.model.rope import apply_rope
 
 
@@ -51,11 +52,19 @@ class Attention(nnx.Module):
             self.q_norm = norm(c, H)
             self.k_norm = norm(c, H)
 
-    def fuse_products(self) -> None:
+    def fuse_products(self, quantized: bool = False) -> None:
         """The decode form of this layer (`Decoder.split_layers`): wq, wk and wv replaced by one weight `wqkv`
-        [D, (N + 2K) H], so a step reads them in one matrix-vector product instead of three. Float weights only (a
-        quantized layer keeps its three products)."""
-        if not all(isinstance(getattr(self, n, None), nnx.Param) for n in ("wq", "wk", "wv")):
+        [D, (N + 2K) H], so a step reads them in one matrix-vector product instead of three. Float weights, and
+        with `quantized` (the C++ kernels read the result) quantized ones of one format (`quant.concat_outputs`);
+        otherwise a quantized layer keeps its three products."""
+        names = ("wq", "wk", "wv")
+        if quantized and all(isinstance(getattr(self, n, None), QuantizedWeight) for n in names):
+            fused = concat_outputs([getattr(self, n) for n in names])
+            if fused is not None:
+                self.wqkv = fused
+                del self.wq, self.wk, self.wv
+            return
+        if not all(isinstance(getattr(self, n, None), nnx.Param) for n in names):
             return
         D = self.config.d_model
         self.wqkv = nnx.Param(

@@ -117,7 +117,9 @@ def _attend(params, q, k, v, layer, visible, sink):
     scale, softcap, has_sink = params
     B, T, N, _ = q.shape
     call = jax.ffi.ffi_call(
-        "causal_lm_decode_attention", jax.ShapeDtypeStruct((B, T, N, v.shape[-1]), jnp.float32), vmap_method="sequential"
+        "causal_lm_decode_attention",
+        jax.ShapeDtypeStruct((B, T, N, v.shape[-1]), jnp.float32),
+        vmap_method="sequential",
     )
     return call(
         q, k, v, layer, visible, sink, scale=np.float32(scale), softcap=np.float32(softcap), has_sink=np.int32(has_sink)

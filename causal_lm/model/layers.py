@@ -14,6 +14,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from causal_lm.config import ModelConfig
 from causal_lm.model import matvec
+from causal_lm.model.quant import QuantizedWeight, concat_outputs
 
 _row_wise = threading.local()
 
@@ -147,10 +148,18 @@ class MLP(nnx.Module):
         self.w_up = normal_param(rngs, (c.d_model, c.mlp_dim), c.init_std, pd)
         self.w_down = normal_param(rngs, (c.mlp_dim, c.d_model), c.init_std / (2 * c.num_layers) ** 0.5, pd)
 
-    def fuse_products(self) -> None:
+    def fuse_products(self, quantized: bool = False) -> None:
         """The decode form (`Decoder.split_layers`): w_gate and w_up replaced by one weight `w_gate_up` [D, 2F], read
-        in one matrix-vector product. Float weights only."""
-        if not all(isinstance(getattr(self, n, None), nnx.Param) for n in ("w_gate", "w_up")):
+        in one matrix-vector product. Float weights, and with `quantized` quantized ones of one format (see
+        `Attention.fuse_products`)."""
+        names = ("w_gate", "w_up")
+        if quantized and all(isinstance(getattr(self, n, None), QuantizedWeight) for n in names):
+            fused = concat_outputs([self.w_gate, self.w_up])
+            if fused is not None:
+                self.w_gate_up = fused
+                del self.w_gate, self.w_up
+            return
+        if not all(isinstance(getattr(self, n, None), nnx.Param) for n in names):
             return
         self.w_gate_up = nnx.Param(jnp.concatenate([self.w_gate[...], self.w_up[...]], axis=1))
         del self.w_gate, self.w_up

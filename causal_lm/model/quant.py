@@ -308,6 +308,32 @@ class QuantizedWeight(nnx.Module):
         )
 
 
+def concat_outputs(weights) -> QuantizedWeight | None:
+    """One quantized weight whose outputs are those of `weights` side by side (the decode form's fused q/k/v and
+    gate/up products, `Attention.fuse_products`), [*in, sum NO], the same bytes; None when they cannot share one
+    product (other formats, groups, inputs or layouts)."""
+    qs = [w[...] for w in weights]
+    first = qs[0]
+    if any(
+        (q.bits, q.group, q.in_shape, q.major, q.minimum is None)
+        != (first.bits, first.group, first.in_shape, "in", first.minimum is None)
+        or isinstance(q, EmbedQArray)
+        for q in qs
+    ):
+        return None
+    # in-major storage keeps the outputs on the last axis of data, scale and minimum (module docstring)
+    join = lambda arrays: jnp.concatenate(arrays, axis=-1)  # noqa: E731
+    return QuantizedWeight(
+        join([q.data for q in qs]),
+        join([q.scale for q in qs]),
+        None if first.minimum is None else join([q.minimum for q in qs]),
+        bits=first.bits,
+        group=first.group,
+        in_shape=first.in_shape,
+        out_shape=(sum(q.size_out for q in qs),),
+    )
+
+
 def _quantized(w, n_in: int, bits: int, group: int, minimums: bool, stacked: bool, name: str, embed=False):
     """A QuantizedWeight for the float array w ([L, *in, *out] when stacked); QuantizeError for a bad group."""
     shape = w.shape[1:] if stacked else w.shape

@@ -114,11 +114,11 @@ class Block(nnx.Module):
             self.post_attn_norm = norm(c)
             self.post_mlp_norm = norm(c)
 
-    def fuse_products(self) -> None:
+    def fuse_products(self, quantized: bool = False) -> None:
         """The decode form of the block's products (see `Decoder.split_layers`)."""
         if isinstance(self.attn, Attention):
-            self.attn.fuse_products()
-        self.mlp.fuse_products()
+            self.attn.fuse_products(quantized)
+        self.mlp.fuse_products(quantized)
 
     def __call__(self, x, ctx: AttentionContext, cache: KVCache | None = None, layer=0):
         """x [B, T, D] -> (x, cache, attention weights or None)."""
@@ -413,6 +413,8 @@ class Decoder(nnx.Module):
         (`Attention.fuse_products`, `MLP.fuse_products`), so a batch-1 step reads them in 4 matrix-vector products a
         layer instead of 7 (measured on the 135M shape: docs/performance.md). The same copy, another layout; the
         products' values are the same up to float rounding. Off under a mesh (the concatenation would mix shardings).
+        Quantized weights are fused only for the C++ kernels (`native`), whose product reads any width; XLA's
+        dequantizes a weight wider than `quant.WIDE_OUT` outputs.
 
         native (with fuse): where the C++ decode kernels are usable (`matvec.usable()`, float32 compute), the
         projection weights are stored output-major for them (`matvec.OutMajorWeight`, `QuantizedWeight.out_major`),
@@ -421,16 +423,16 @@ class Decoder(nnx.Module):
         """
         graphdef, state = nnx.split(self.blocks)
         states = [jax.tree.map(lambda a, i=i: a[i], state) for i in range(self.config.num_layers)]
+        native = bool(fuse and native and jnp.dtype(self.config.dtype) == jnp.float32 and matvec.usable())
         if fuse:
             fused = []
             for s in states:
                 block = nnx.merge(graphdef, s)
-                block.fuse_products()
+                block.fuse_products(quantized=native)
                 graphdef_fused, s = nnx.split(block)
                 fused.append(s)
             graphdef, states = graphdef_fused, fused
         head = None
-        native = bool(fuse and native and jnp.dtype(self.config.dtype) == jnp.float32 and matvec.usable())
         if native:
             native_states = []
             for s in states:

@@ -146,11 +146,21 @@ void vector_rows(const Problem& P, int64_t r0, int64_t n0) {
       const int64_t h = g / 2, row = P.G * h;  // bytes per output
       const uint8_t* p = static_cast<const uint8_t*>(P.w) + n0 * row + G * h;
       const __m256i low = _mm256_set1_epi32(15);
+      // Each 8 bytes are widened once: their low nibbles go into the sums now, their high nibbles (inputs h
+      // later) are kept, as floats, for after the low ones (the order of the sums above); groups wider than
+      // kKeep bytes widen them again.
+      constexpr int64_t kKeep = 32;
+      __m256 high[kKeep / 8][NB];
+      const bool keep = h <= kKeep;
       for (int64_t i = 0; i < h; i += 8) {  // the low nibbles: inputs k0 .. k0 + h
         if ((G * h + i) % 64 == 0)
           for (int b = 0; b < NB; ++b) ahead(p + b * row + i);
         __m256 wv[NB];
-        for (int b = 0; b < NB; ++b) wv[b] = _mm256_cvtepi32_ps(_mm256_and_si256(bytes8(p + b * row + i), low));
+        for (int b = 0; b < NB; ++b) {
+          const __m256i bytes = bytes8(p + b * row + i);
+          wv[b] = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, low));
+          if (keep) high[i / 8][b] = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+        }
         for (int r = 0; r < RB; ++r) {
           const __m256 xv = _mm256_loadu_ps(x + r * K + k0 + i);
           for (int b = 0; b < NB; ++b) part[r][b] = _mm256_fmadd_ps(xv, wv[b], part[r][b]);
@@ -158,7 +168,8 @@ void vector_rows(const Problem& P, int64_t r0, int64_t n0) {
       }
       for (int64_t i = 0; i < h; i += 8) {  // the high nibbles: inputs k0 + h .. k0 + g
         __m256 wv[NB];
-        for (int b = 0; b < NB; ++b) wv[b] = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes8(p + b * row + i), 4));
+        for (int b = 0; b < NB; ++b)
+          wv[b] = keep ? high[i / 8][b] : _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes8(p + b * row + i), 4));
         for (int r = 0; r < RB; ++r) {
           const __m256 xv = _mm256_loadu_ps(x + r * K + k0 + h + i);
           for (int b = 0; b < NB; ++b) part[r][b] = _mm256_fmadd_ps(xv, wv[b], part[r][b]);
