@@ -1128,9 +1128,7 @@ MUTANTS = [
         file="causal_lm/model/quant.py",
         old="        join([q.scale for q in qs]),",
         new="        join([first.scale for q in qs]),",
-        tests=[
-            "tests/test_matvec.py::test_fused_quantized_products_are_the_separate_ones_side_by_side[int8-32-False]"
-        ],
+        tests=["tests/test_matvec.py::test_fused_quantized_products_are_the_separate_ones_side_by_side[int8-32-False]"],
         why="fused q/k/v (gate/up) of a quantized layer all scaled by q's (gate's) scales",
     ),
     dict(
