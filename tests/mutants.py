@@ -1132,6 +1132,22 @@ MUTANTS = [
         why="fused q/k/v (gate/up) of a quantized layer all scaled by q's (gate's) scales",
     ),
     dict(
+        name="matvec-int4-g32-high-halves-swapped",
+        file="causal_lm/model/csrc/matvec.cc",
+        old="                               _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)),",
+        new="                               _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 4))),",
+        tests=["tests/test_matvec.py::test_quantized_kernels_equal_the_dequantized_float_product[64-70-int4-g32]"],
+        why="the one-load path for groups of 32 multiplies inputs 16..23 by the wrong nibbles",
+    ),
+    dict(
+        name="matvec-int4-offset-of-the-next-output",
+        file="causal_lm/model/csrc/matvec.cc",
+        old="          const int64_t at = (n0 + b) * P.G + G;",
+        new="          const int64_t at = (n0 + (b + 1) % NB) * P.G + G;",
+        tests=["tests/test_matvec.py::test_quantized_kernels_equal_the_dequantized_float_product[64-70-int4-g4-min]"],
+        why="the interleaved int4 offset sums add a neighbouring output's minimums",
+    ),
+    dict(
         name="decode-attention-in-place-not-routed",
         file="causal_lm/model/kv_cache.py",
         old="            and decode_attention.native_here(q.dtype)",

@@ -145,6 +145,28 @@ void vector_rows(const Problem& P, int64_t r0, int64_t n0) {
     } else {
       const int64_t h = g / 2, row = P.G * h;  // bytes per output
       const uint8_t* p = static_cast<const uint8_t*>(P.w) + n0 * row + G * h;
+      if (G % 16 == 0)  // the scales (and minimums): two more streams, as many floats as 8 bytes of nibbles
+        for (int b = 0; b < NB; ++b) {
+          ahead(P.scale + (n0 + b) * P.G + G);
+          if (P.minimum) ahead(P.minimum + (n0 + b) * P.G + G);
+        }
+      if (h == 16) {  // groups of 32 (GGUF's Q4_0 / Q4_1): the group's 16 bytes of each output in one load
+        const __m128i nib = _mm_set1_epi8(15);
+        if (G % 4 == 0)
+          for (int b = 0; b < NB; ++b) ahead(p + b * row);
+        for (int b = 0; b < NB; ++b) {
+          const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + b * row));
+          const __m128i lo = _mm_and_si128(bytes, nib), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), nib);
+          // inputs k0 + 0..7, 8..15 (low nibbles of bytes 0..7, 8..15), then k0 + 16..23, 24..31 (high nibbles)
+          const __m256 w[4] = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)),
+                               _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))),
+                               _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)),
+                               _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)))};
+          for (int r = 0; r < RB; ++r)
+            for (int u = 0; u < 4; ++u)
+              part[r][b] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k0 + 8 * u), w[u], part[r][b]);
+        }
+      } else {
       const __m256i low = _mm256_set1_epi32(15);
       // Each 8 bytes are widened once: their low nibbles go into the sums now, their high nibbles (inputs h
       // later) are kept, as floats, for after the low ones (the order of the sums above); groups wider than
@@ -175,6 +197,7 @@ void vector_rows(const Problem& P, int64_t r0, int64_t n0) {
           for (int b = 0; b < NB; ++b) part[r][b] = _mm256_fmadd_ps(xv, wv[b], part[r][b]);
         }
       }
+      }
     }
     if (P.format == kF32) {
       for (int r = 0; r < RB; ++r)
@@ -187,18 +210,22 @@ void vector_rows(const Problem& P, int64_t r0, int64_t n0) {
     }
   }
   alignas(32) float l[8];
-  for (int r = 0; r < RB; ++r)
+  for (int r = 0; r < RB; ++r) {
+    float s[NB];
     for (int b = 0; b < NB; ++b) {
-      const int64_t n = n0 + b;
       _mm256_store_ps(l, acc[r][b]);
-      float s = lanes_sum(l);
-      if (P.format == kI4)
-        for (int64_t G = 0; G < P.G; ++G) {
-          const float off = P.minimum ? P.minimum[n * P.G + G] : -8.0f * P.scale[n * P.G + G];
-          s = std::fma(P.xsum[(r0 + r) * P.G + G], off, s);
-        }
-      P.y[(r0 + r) * P.N + n] = s;
+      s[b] = lanes_sum(l);
     }
+    if (P.format == kI4)  // the NB outputs' chains interleaved (each one a chain of fused multiply-adds)
+      for (int64_t G = 0; G < P.G; ++G) {
+        const float xs = P.xsum[(r0 + r) * P.G + G];
+        for (int b = 0; b < NB; ++b) {
+          const int64_t at = (n0 + b) * P.G + G;
+          s[b] = std::fma(xs, P.minimum ? P.minimum[at] : -8.0f * P.scale[at], s[b]);
+        }
+      }
+    for (int b = 0; b < NB; ++b) P.y[(r0 + r) * P.N + n0 + b] = s[b];
+  }
 }
 #endif
 
