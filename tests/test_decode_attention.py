@@ -30,7 +30,7 @@ def _kernels_built():
 
 _scores = jax.jit(decode_attention.scores)
 _values = jax.jit(decode_attention.values)
-_attend = jax.jit(decode_attention.attend, static_argnames=("scale", "softcap"))
+_attend = jax.jit(kernels.layer_attention_in_place, static_argnames=("scale", "softcap"))
 
 
 @pytest.mark.parametrize("T,K,G,H", [(1, 3, 3, 64), (3, 2, 2, 16), (2, 1, 4, 12)])  # H 12: the scalar path
@@ -99,7 +99,7 @@ def test_decoding_through_the_kernels_equals_recompute(name):
     np.testing.assert_allclose(cached.logits, recomputed.logits, rtol=0, atol=1e-5)
 
 
-# ---- the whole attention over a contiguous cache's stacked buffers (`decode_attention.attend`) ----------------
+# ---- the whole attention over a contiguous cache's stacked buffers (`kernels.layer_attention_in_place`) ---
 
 
 @pytest.mark.parametrize(
@@ -150,7 +150,7 @@ def test_whole_attention_reads_the_layer_it_is_given_and_has_a_gradient():
         np.asarray(decode_attention.attend(q, k, v, 3, visible, scale=0.3))
 
     def ours(q, k, v, sink):
-        return jnp.sum(jnp.sin(decode_attention.attend(q, k, v, 2, visible, scale=0.3, sink=sink)))
+        return jnp.sum(jnp.sin(kernels.layer_attention_in_place(q, k, v, 2, visible, scale=0.3, sink=sink)))
 
     def xla(q, k, v, sink):
         mask = AttentionMask(visible=visible)

@@ -15,8 +15,6 @@ have a custom derivative through the XLA products, so a gradient traced through 
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -94,47 +92,25 @@ def attend(q, k, v, layer, visible, *, scale: float, sink=None, softcap=None):
     """Attention of q [B, T, N, H] over layer `layer` of a contiguous cache's stacked buffers k [L, B, C, K, H] and
     v [L, B, C, K, Hv] (float32), under the mask visible [B, T, C]: out [B, T, N, Hv] float32, the function of
     `kernels.masked_softmax` between the grouped products, in one C++ call (`causal_lm_decode_attention`) that reads
-    the layer where it lies and skips the slots no query sees. sink: optional [N] logits; softcap: optional float."""
-    params = (float(scale), float(softcap or 0.0), sink is not None)
-    sink = jnp.zeros((q.shape[2],), jnp.float32) if sink is None else sink.astype(jnp.float32)
-    return _attend(params, q, k, v, jnp.asarray(layer, jnp.int32), visible, sink)
-
-
-def _reference(params, q, k, v, layer, visible, sink):
-    """The same function in XLA (the derivative's form): the layer sliced out, products, `masked_softmax`."""
-    from causal_lm.model import kernels
-
-    scale, softcap, has_sink = params
-    kl, vl = k[layer], v[layer]
-    s = kernels.grouped_scores(q, kl, scale)
-    w = kernels.masked_softmax(s, visible, sink=sink if has_sink else None, softcap=softcap or None)
-    return kernels.grouped_values(w, vl)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attend(params, q, k, v, layer, visible, sink):
+    the layer where it lies and skips the slots no query sees. sink: optional [N] logits; softcap: optional float.
+    No derivative of its own: `kernels.layer_attention_in_place` gives it one through the XLA form."""
     native.library(NAME, TARGETS)
-    scale, softcap, has_sink = params
     B, T, N, _ = q.shape
+    has_sink = sink is not None
+    sink = jnp.zeros((N,), jnp.float32) if sink is None else sink
     call = jax.ffi.ffi_call(
         "causal_lm_decode_attention",
         jax.ShapeDtypeStruct((B, T, N, v.shape[-1]), jnp.float32),
         vmap_method="sequential",
     )
     return call(
-        q, k, v, layer, visible, sink, scale=np.float32(scale), softcap=np.float32(softcap), has_sink=np.int32(has_sink)
+        q,
+        k,
+        v,
+        jnp.asarray(layer, jnp.int32),
+        visible,
+        sink.astype(jnp.float32),
+        scale=np.float32(scale),
+        softcap=np.float32(softcap or 0.0),
+        has_sink=np.int32(has_sink),
     )
-
-
-def _attend_fwd(params, q, k, v, layer, visible, sink):
-    return _attend(params, q, k, v, layer, visible, sink), (q, k, v, layer, visible, sink)
-
-
-def _attend_bwd(params, res, g):
-    q, k, v, layer, visible, sink = res
-    _, pullback = jax.vjp(lambda q, k, v, sink: _reference(params, q, k, v, layer, visible, sink), q, k, v, sink)
-    dq, dk, dv, dsink = pullback(g)
-    return dq, dk, dv, None, None, dsink
-
-
-_attend.defvjp(_attend_fwd, _attend_bwd)

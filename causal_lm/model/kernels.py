@@ -258,6 +258,45 @@ def native_attention(q, k, v, mask: AttentionMask, *, scale, sink=None, softcap=
     return decode_attention.values(weights, v)
 
 
+def layer_attention_in_place(q, k, v, layer, visible, *, scale: float, sink=None, softcap=None):
+    """Attention of q [B, T, N, H] over layer `layer` of a contiguous cache's stacked float32 buffers
+    k [L, B, C, K, H], v [L, B, C, K, Hv] under visible [B, T, C], read where it lies by one C++ call
+    (`decode_attention.attend`): out [B, T, N, Hv] float32. Its derivative is the XLA form's (`reference_attention`
+    on the layer sliced out), so a gradient traced through a decode step still works."""
+    params = (float(scale), None if softcap is None else float(softcap), sink is not None)
+    sink = jnp.zeros((q.shape[2],), jnp.float32) if sink is None else sink.astype(jnp.float32)
+    return _layer_in_place(params, q, k, v, jnp.asarray(layer, jnp.int32), visible, sink)
+
+
+def _layer_in_place_xla(params, q, k, v, layer, visible, sink):
+    scale, softcap, has_sink = params
+    s = grouped_scores(q, k[layer], scale)
+    w = masked_softmax(s, visible, sink=sink if has_sink else None, softcap=softcap)
+    return grouped_values(w, v[layer])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _layer_in_place(params, q, k, v, layer, visible, sink):
+    scale, softcap, has_sink = params
+    return decode_attention.attend(
+        q, k, v, layer, visible, scale=scale, sink=sink if has_sink else None, softcap=softcap
+    )
+
+
+def _layer_in_place_fwd(params, q, k, v, layer, visible, sink):
+    return _layer_in_place(params, q, k, v, layer, visible, sink), (q, k, v, layer, visible, sink)
+
+
+def _layer_in_place_bwd(params, res, g):
+    q, k, v, layer, visible, sink = res
+    _, pullback = jax.vjp(lambda *a: _layer_in_place_xla(params, *a[:3], layer, visible, a[3]), q, k, v, sink)
+    dq, dk, dv, dsink = pullback(g)
+    return dq, dk, dv, None, None, dsink
+
+
+_layer_in_place.defvjp(_layer_in_place_fwd, _layer_in_place_bwd)
+
+
 # ---- batch-invariant: one query at a time, keys in fixed chunks -----------------------------------------------
 
 INVARIANT_CHUNK = 128  # keys per step of `invariant_attention`'s online softmax

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from causal_lm.config import ModelConfig
+from causal_lm.model import decode_attention, kernels
 
 
 class CacheError(ValueError):
@@ -256,8 +257,6 @@ class KVCache:
         decode step's few float32 queries over float32 K/V storage, attending over the slots only (not a ring's
         old slots plus the chunk), on the CPU with the kernel built, in a decode trace (`matvec.native_products`,
         outside the batch-invariant scoring mode). Elsewhere the caller reads with `update` and the XLA kernels."""
-        from causal_lm.model import decode_attention, kernels
-
         return (
             tuple(self.names) == ("k", "v")
             and self.storage == "float32"
@@ -276,12 +275,12 @@ class KVCache:
     def attend(self, layer, q, visible, *, scale: float, sink=None, softcap=None):
         """Attention of q [B, T, N, H] over layer `layer`'s slots (after `write`) under the mask visible [B, T, C]:
         out [B, T, N, Hv] float32, what `update` + `kernels.attention` compute, with the layer read where it lies in
-        the stacked buffer by one C++ call (`decode_attention.attend`). Only where `attends_in_place(q, plan)`."""
-        from causal_lm.model import decode_attention
-
+        the stacked buffer by one C++ call (`kernels.layer_attention_in_place`). Only where `attends_in_place`."""
         g, i = self.locate(layer)
         arrays = self.groups[g].arrays
-        return decode_attention.attend(q, arrays["k"], arrays["v"], i, visible, scale=scale, sink=sink, softcap=softcap)
+        return kernels.layer_attention_in_place(
+            q, arrays["k"], arrays["v"], i, visible, scale=scale, sink=sink, softcap=softcap
+        )
 
     def _write(self, g: int, i, new: dict, plan: CacheWrite) -> KVCache:
         group = self.groups[g]
