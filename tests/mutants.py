@@ -1194,6 +1194,46 @@ MUTANTS = [
         why="the eight dot products of a block land on the wrong slots",
     ),
     dict(
+        name="decode-attention-in-place-value-block-offset",
+        file="causal_lm/model/csrc/decode_attention.cc",
+        old="values_block<NB, 4>(w, v + h, vstride, J, acc + h, Hv);",
+        new="values_block<NB, 4>(w, v, vstride, J, acc + h, Hv);",
+        tests=[
+            "tests/test_decode_attention.py::test_whole_attention_equals_xla_and_does_not_depend_on_the_batch[1-3-3-64-150-extras0]"
+        ],
+        why="the 32-wide value blocks past the first sum the first block's values",
+    ),
+    dict(
+        name="decode-attention-in-place-value-tail-offset",
+        file="causal_lm/model/csrc/decode_attention.cc",
+        old="values_block<NB, 1>(w, v + h, vstride, J, acc + h, Hv);",
+        new="values_block<NB, 1>(w, v + h, vstride, J, acc, Hv);",
+        tests=[
+            "tests/test_decode_attention.py::test_whole_attention_equals_xla_and_does_not_depend_on_the_batch[2-2-2-16-64-extras1]"
+        ],
+        why="the 8-wide value blocks all land on the first 8 outputs of their rows",
+    ),
+    dict(
+        name="decode-attention-in-place-denominator-skips-a-slot",
+        file="causal_lm/model/csrc/decode_attention.cc",
+        old="  for (int64_t j = 0; j < J; ++j)\n    for (int64_t r = 0; r < R; ++r) l[r] +=",
+        new="  for (int64_t j = 1; j < J; ++j)\n    for (int64_t r = 0; r < R; ++r) l[r] +=",
+        tests=[
+            "tests/test_decode_attention.py::test_whole_attention_equals_xla_and_does_not_depend_on_the_batch[1-3-3-64-150-extras0]"
+        ],
+        why="each chunk's first slot leaves the softmax's denominator",
+    ),
+    dict(
+        name="decode-attention-in-place-vector-mask-inverted",
+        file="causal_lm/model/csrc/decode_attention.cc",
+        old="_mm256_blendv_ps(nv, _mm256_mul_ps(_mm256_loadu_ps(s + j), sv), keep)",
+        new="_mm256_blendv_ps(_mm256_mul_ps(_mm256_loadu_ps(s + j), sv), nv, keep)",
+        tests=[
+            "tests/test_decode_attention.py::test_whole_attention_equals_xla_and_does_not_depend_on_the_batch[1-3-3-64-150-extras0]"
+        ],
+        why="the vector path attends to the slots the mask hides and hides the ones it shows",
+    ),
+    dict(
         name="decode-attention-in-place-sink-dropped",
         file="causal_lm/model/csrc/decode_attention.cc",
         old="      float lr = d.has_sink ? exp_approx(sk[r % d.N] - mr) : 0.0f;",

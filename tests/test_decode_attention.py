@@ -105,7 +105,7 @@ def test_decoding_through_the_kernels_equals_recompute(name):
 @pytest.mark.parametrize(
     "T,K,G,H,C,extras",
     [
-        (1, 3, 3, 64, 150, ()),  # three chunks, the last one partial
+        (1, 3, 3, 64, 150, ()),  # two chunks of 128 slots, the last one partial; Hv 72: value blocks of 32 and 8
         (2, 2, 2, 16, 64, ("sink",)),  # one whole chunk
         (3, 1, 4, 12, 70, ("softcap",)),  # H 12: the scalar paths
         (1, 2, 1, 8, 200, ("sink", "softcap")),
