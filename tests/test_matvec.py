@@ -6,6 +6,8 @@ that did not build fails the tests instead of skipping them."""
 
 import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -33,8 +35,18 @@ _f32 = jax.jit(matvec.matvec_f32)
 _quant = jax.jit(matvec.matvec_quantized)
 
 SHAPES = [(64, 70), (37, 131)]  # K, N: whole vectors with an odd output count; odd inputs (the scalar path)
-# bits, group (0: per channel), minimums; g=4 is an int4 group of less than a vector (the scalar path)
-FORMATS = {"int8": (8, 0, False), "int8-g16": (8, 16, False), "int4-g32": (4, 32, False), "int4-g4-min": (4, 4, True)}
+# bits, group (0: per channel), minimums; g=4 is an int4 group of less than a vector (the scalar path). On a CPU with
+# AVX-512, int8 groups of a multiple of 16 and int4 groups of 32 take the 16-lane path; int8 g=8 and int4 g=64 take
+# the 8-lane AVX2 path on every x86 CPU (test_the_avx2_build_on_a_cpu_with_avx512 runs the rest there too).
+FORMATS = {
+    "int8": (8, 0, False),
+    "int8-g16": (8, 16, False),
+    "int8-g8": (8, 8, False),
+    "int4-g32": (4, 32, False),
+    "int4-g32-min": (4, 32, True),
+    "int4-g64": (4, 64, False),
+    "int4-g4-min": (4, 4, True),
+}
 
 
 @pytest.mark.parametrize("K,N", SHAPES)
@@ -60,14 +72,8 @@ QUANT_CASES = [  # the formats whose groups fit each shape (int4 needs even grou
 
 @pytest.mark.parametrize("K,N,fmt", QUANT_CASES)
 def test_quantized_kernels_equal_the_dequantized_float_product(K, N, fmt):
-    bits, group, minimums = FORMATS[fmt]
-    g = group or K
-    rng = np.random.default_rng(1)
-    w = rng.standard_normal((K, N)).astype(np.float32) * rng.uniform(0.1, 2.0, (1, N)).astype(np.float32)
-    data, scale, minimum = quantize_array(w, bits, g, minimums)
-    qa = QArray(data, scale, minimum, bits, g, (K,), (N,)).out_major()
-    x = rng.standard_normal((16, K)).astype(np.float32)
-    want = x.astype(np.float64) @ np.asarray(qa.dequantize(), np.float64)
+    bits = FORMATS[fmt][0]
+    x, qa, want = _quantized_case(K, N, fmt)
     assert qa.data.dtype == (jnp.int8 if bits == 8 else jnp.uint8)
     ys = {rows: np.asarray(_quant(x[:rows], qa.data, qa.scale, qa.minimum)) for rows in (1, 3, 6, 16)}
     for rows, y in ys.items():
@@ -76,6 +82,64 @@ def test_quantized_kernels_equal_the_dequantized_float_product(K, N, fmt):
     # the same values through QArray.matmul's XLA form (major="in" storage)
     xla = np.asarray(jax.jit(lambda x, q: q.in_major().matmul(x, 1))(x[:3], qa))
     np.testing.assert_allclose(ys[3], xla, rtol=1e-5, atol=2e-6 * np.abs(want).max())
+
+
+def _quantized_case(K, N, fmt):
+    """(x [16, K], the out-major QArray, the dequantized float product in float64) of one case."""
+    bits, group, minimums = FORMATS[fmt]
+    g = group or K
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((K, N)).astype(np.float32) * rng.uniform(0.1, 2.0, (1, N)).astype(np.float32)
+    data, scale, minimum = quantize_array(w, bits, g, minimums)
+    qa = QArray(data, scale, minimum, bits, g, (K,), (N,)).out_major()
+    x = rng.standard_normal((16, K)).astype(np.float32)
+    return x, qa, x.astype(np.float64) @ np.asarray(qa.dequantize(), np.float64)
+
+
+_AVX2_BUILD = """
+import sys, numpy as np
+sys.path.insert(0, sys.argv[1])
+import test_matvec as t
+from causal_lm.model import matvec
+assert matvec.usable()
+out = {}
+for K, N, fmt in t.QUANT_CASES:
+    x, qa, _ = t._quantized_case(K, N, fmt)
+    for rows in (1, 3, 16):
+        out[f"{K}-{N}-{fmt}-{rows}"] = np.asarray(t._quant(x[:rows], qa.data, qa.scale, qa.minimum))
+np.savez(sys.argv[2], **out)
+"""
+
+
+def _cpu_flags() -> set:
+    try:
+        lines = open("/proc/cpuinfo").read().splitlines()
+    except OSError:
+        return set()
+    return {f for ln in lines if ln.startswith("flags") for f in ln.split(":", 1)[1].split()}
+
+
+@pytest.mark.skipif("avx512f" not in _cpu_flags(), reason="without AVX-512 the tests above run the AVX2 path")
+def test_the_avx2_build_on_a_cpu_with_avx512(tmp_path):
+    """On a CPU with AVX-512 the int8 and int4-g32 cases above take the 16-lane path; the kernels built without it
+    (`CAUSAL_LM_NATIVE_FLAGS=-mno-avx512f`, in a subprocess) run the 8-lane AVX2 path on the same cases: equal to the
+    dequantized float product, batch invariant, and a different order of the sums where the paths differ (so the
+    subprocess did run the other build)."""
+    env = dict(os.environ, **{native.FLAGS_ENV: "-mno-avx512f"})
+    out = tmp_path / "avx2.npz"
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, "-c", _AVX2_BUILD, here, str(out)], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = np.load(out)
+    differ = 0
+    for K, N, fmt in QUANT_CASES:
+        x, qa, want = _quantized_case(K, N, fmt)
+        for rows in (1, 3, 16):
+            y = got[f"{K}-{N}-{fmt}-{rows}"]
+            np.testing.assert_allclose(y, want[:rows], rtol=1e-5, atol=2e-6 * np.abs(want).max())
+            np.testing.assert_array_equal(y, got[f"{K}-{N}-{fmt}-16"][:rows])
+        differ += not np.array_equal(got[f"{K}-{N}-{fmt}-16"], np.asarray(_quant(x, qa.data, qa.scale, qa.minimum)))
+    assert differ >= 3, "the AVX2 build gave the 16-lane path's bits: it was not the AVX2 build"
 
 
 def _step_texts(model):

@@ -8,6 +8,9 @@ CPU), loads it and registers its handlers with XLA as FFI targets for the CPU pl
 `jax.ffi.ffi_call(target, ...)` under `jax.jit` like any other operation, on CPU only; other platforms keep the XLA
 form.
 
+`CAUSAL_LM_NATIVE_FLAGS` adds compiler flags after the default ones (part of the cache key), e.g. `-mno-avx512f` builds
+the AVX2 form of the kernels on a CPU with AVX-512, to compare the two or to test the AVX2 path there.
+
 `available()` says whether the kernels can be used here: a compiler (`$CXX`, else `g++` or `c++`) was found, the
 library built, and `CAUSAL_LM_NATIVE` is not `0`. When a kernel is unavailable the callers fall back to the XLA form
 (the same values up to summation order), so nothing requires a compiler; the tests assert the kernels built on the
@@ -20,6 +23,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -29,6 +33,7 @@ from pathlib import Path
 import jax
 
 ENV = "CAUSAL_LM_NATIVE"
+FLAGS_ENV = "CAUSAL_LM_NATIVE_FLAGS"
 SOURCES = Path(__file__).resolve().parent / "csrc"
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno", "-Wall")
 _lock = threading.Lock()
@@ -50,6 +55,11 @@ def compiler() -> str | None:
         if name and shutil.which(name):
             return shutil.which(name)
     return None
+
+
+def flags() -> tuple:
+    """The compiler flags: the defaults, then `$CAUSAL_LM_NATIVE_FLAGS` (split as a shell would)."""
+    return FLAGS + tuple(shlex.split(os.environ.get(FLAGS_ENV, "")))
 
 
 def cache_dir() -> Path:
@@ -74,7 +84,7 @@ def _build(name: str, cxx: str) -> Path:
     include = jax.ffi.include_dir()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     key = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(FLAGS).encode(), str(version).encode(), jax.__version__.encode()):
+    for part in (source.read_bytes(), " ".join(flags()).encode(), str(version).encode(), jax.__version__.encode()):
         key.update(part)
         key.update(b"\0")
     key.update(_cpu_key().encode())
@@ -84,7 +94,7 @@ def _build(name: str, cxx: str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # concurrent builders each rename a whole file
         out = Path(tmp) / target.name
-        cmd = [cxx, *FLAGS, f"-I{include}", str(source), "-o", str(out)]
+        cmd = [cxx, *flags(), f"-I{include}", str(source), "-o", str(out)]
         run = subprocess.run(cmd, capture_output=True, text=True)
         if run.returncode != 0:
             raise NativeError(f"building {source.name} failed ({' '.join(cmd)}):\n{run.stderr[-4000:]}")

@@ -18,6 +18,11 @@
 // acc[l]) (float32: one group, acc = part); y = ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)); int4 adds, per
 // group in order, y = fma(sum_G x, offset[n, G], y), offset = -8 * scale or the minimum (sum_G x: the group's inputs
 // added in order). The AVX2 path (groups that are whole vectors) and the scalar path do exactly these operations.
+// On a CPU with AVX-512 (the kernels are compiled for the machine they run on), int8 groups of a multiple of 16
+// inputs and int4 groups of 32 take 16 lanes instead: lane l chains over the group's inputs i = l (mod 16), the
+// lanes then fold to 8, l[j] + l[j + 8], and the sum goes on as above. One widening and one conversion serve 16
+// weights instead of 8, which is what these products are bound by (docs/performance.md). Which order a product takes
+// depends on the machine and the weight's group size only, never on the rows.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -29,6 +34,9 @@
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define CLM_AVX2 1
+#if defined(__AVX512F__)
+#define CLM_AVX512 1
+#endif
 #endif
 
 #include "xla/ffi/api/ffi.h"
@@ -87,6 +95,19 @@ void scalar_rows(const Problem& P, int64_t r0, int64_t n) {
         s = std::fma(P.xsum[(r0 + r) * P.G + G], off, s);
       }
     P.y[(r0 + r) * P.N + n] = s;
+  }
+}
+
+// The int4 offsets of row r, outputs n0..n0+NB: per group in order s[b] = fma(sum_G x, offset[n, G], s[b]), the NB
+// outputs' chains interleaved (each one a chain of fused multiply-adds that would stall on its latency alone).
+template <int NB>
+inline void add_offsets(const Problem& P, int64_t r, int64_t n0, float* s) {
+  for (int64_t G = 0; G < P.G; ++G) {
+    const float xs = P.xsum[r * P.G + G];
+    for (int b = 0; b < NB; ++b) {
+      const int64_t at = (n0 + b) * P.G + G;
+      s[b] = std::fma(xs, P.minimum ? P.minimum[at] : -8.0f * P.scale[at], s[b]);
+    }
   }
 }
 
@@ -216,14 +237,73 @@ void vector_rows(const Problem& P, int64_t r0, int64_t n0) {
       _mm256_store_ps(l, acc[r][b]);
       s[b] = lanes_sum(l);
     }
-    if (P.format == kI4)  // the NB outputs' chains interleaved (each one a chain of fused multiply-adds)
-      for (int64_t G = 0; G < P.G; ++G) {
-        const float xs = P.xsum[(r0 + r) * P.G + G];
-        for (int b = 0; b < NB; ++b) {
-          const int64_t at = (n0 + b) * P.G + G;
-          s[b] = std::fma(xs, P.minimum ? P.minimum[at] : -8.0f * P.scale[at], s[b]);
+    if (P.format == kI4) add_offsets<NB>(P, r0 + r, n0, s);
+    for (int b = 0; b < NB; ++b) P.y[(r0 + r) * P.N + n0 + b] = s[b];
+  }
+}
+#endif
+
+#ifdef CLM_AVX512
+// Rows r0..r0+RB of outputs n0..n0+NB in 16 lanes: int8 with g % 16 == 0, int4 with g == 32.
+template <int RB, int NB>
+void wide_rows(const Problem& P, int64_t r0, int64_t n0) {
+  const int64_t K = P.K, g = P.g;
+  const float* x = P.x + r0 * K;
+  __m512 acc[RB][NB], part[RB][NB];
+  for (int r = 0; r < RB; ++r)
+    for (int b = 0; b < NB; ++b) acc[r][b] = _mm512_setzero_ps();
+  for (int64_t G = 0; G < P.G; ++G) {
+    const int64_t k0 = G * g;
+    for (int r = 0; r < RB; ++r)
+      for (int b = 0; b < NB; ++b) part[r][b] = _mm512_setzero_ps();
+    if (P.format == kI8) {
+      const int8_t* q = static_cast<const int8_t*>(P.w) + n0 * K + k0;
+      for (int64_t i = 0; i < g; i += 16) {
+        if (i % 64 == 0)
+          for (int b = 0; b < NB; ++b) ahead(q + b * K + i);
+        __m512 wv[NB];
+        for (int b = 0; b < NB; ++b)
+          wv[b] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * K + i))));
+        for (int r = 0; r < RB; ++r) {
+          const __m512 xv = _mm512_loadu_ps(x + r * K + k0 + i);
+          for (int b = 0; b < NB; ++b) part[r][b] = _mm512_fmadd_ps(xv, wv[b], part[r][b]);
         }
       }
+    } else {  // int4, groups of 32: byte j holds inputs k0 + j (low nibble) and k0 + 16 + j (high)
+      const int64_t row = P.G * 16;
+      const uint8_t* p = static_cast<const uint8_t*>(P.w) + n0 * row + G * 16;
+      if (G % 16 == 0)
+        for (int b = 0; b < NB; ++b) {
+          ahead(P.scale + (n0 + b) * P.G + G);
+          if (P.minimum) ahead(P.minimum + (n0 + b) * P.G + G);
+        }
+      if (G % 4 == 0)
+        for (int b = 0; b < NB; ++b) ahead(p + b * row);
+      const __m128i nib = _mm_set1_epi8(15);
+      for (int b = 0; b < NB; ++b) {
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + b * row));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, nib)));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), nib)));
+        for (int r = 0; r < RB; ++r) {
+          part[r][b] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + k0), lo, part[r][b]);
+          part[r][b] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + k0 + 16), hi, part[r][b]);
+        }
+      }
+    }
+    for (int b = 0; b < NB; ++b) {
+      const __m512 sc = _mm512_set1_ps(P.scale[(n0 + b) * P.G + G]);
+      for (int r = 0; r < RB; ++r) acc[r][b] = _mm512_fmadd_ps(part[r][b], sc, acc[r][b]);
+    }
+  }
+  alignas(64) float l[16];
+  for (int r = 0; r < RB; ++r) {
+    float s[NB];
+    for (int b = 0; b < NB; ++b) {
+      _mm512_store_ps(l, acc[r][b]);
+      for (int j = 0; j < 8; ++j) l[j] += l[j + 8];
+      s[b] = lanes_sum(l);
+    }
+    if (P.format == kI4) add_offsets<NB>(P, r0 + r, n0, s);
     for (int b = 0; b < NB; ++b) P.y[(r0 + r) * P.N + n0 + b] = s[b];
   }
 }
@@ -232,6 +312,9 @@ void vector_rows(const Problem& P, int64_t r0, int64_t n0) {
 // Rows r0..r0+RB of outputs n0..n0+NB.
 template <int RB, int NB>
 inline void rows(const Problem& P, int64_t r0, int64_t n0) {
+#ifdef CLM_AVX512
+  if ((P.format == kI8 && P.g % 16 == 0) || (P.format == kI4 && P.g == 32)) return wide_rows<RB, NB>(P, r0, n0);
+#endif
 #ifdef CLM_AVX2
   const bool whole = P.format == kI4 ? (P.g / 2) % 8 == 0 : P.g % 8 == 0;
   if (whole) return vector_rows<RB, NB>(P, r0, n0);
