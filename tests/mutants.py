@@ -1179,8 +1179,8 @@ MUTANTS = [
     dict(
         name="matvec-int4-offset-of-the-next-output",
         file="causal_lm/model/csrc/matvec.cc",
-        old="          const int64_t at = (n0 + b) * P.G + G;",
-        new="          const int64_t at = (n0 + (b + 1) % NB) * P.G + G;",
+        old="      const int64_t at = (n0 + b) * P.G + G;",
+        new="      const int64_t at = (n0 + (b + 1) % NB) * P.G + G;",
         tests=["tests/test_matvec.py::test_quantized_kernels_equal_the_dequantized_float_product[64-70-int4-g32]"],
         why="the interleaved int4 offset sums add a neighbouring output's minimums",
     ),
