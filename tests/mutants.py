@@ -1137,7 +1137,10 @@ MUTANTS = [
         old="                               _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)),",
         new="                               _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 4))),",
         # on a CPU with AVX-512, groups of 32 take the 16-lane path; the AVX2 build runs in the second test
-        tests=["tests/test_matvec.py::test_quantized_kernels_equal_the_dequantized_float_product[64-70-int4-g32]", "tests/test_matvec.py::test_the_avx2_build_on_a_cpu_with_avx512"],
+        tests=[
+            "tests/test_matvec.py::test_quantized_kernels_equal_the_dequantized_float_product[64-70-int4-g32]",
+            "tests/test_matvec.py::test_the_avx2_build_on_a_cpu_with_avx512",
+        ],
         why="the one-load path for groups of 32 multiplies inputs 16..23 by the wrong nibbles",
     ),
     dict(
