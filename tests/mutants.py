@@ -1180,6 +1180,22 @@ MUTANTS = [
         why="CAUSAL_LM_NATIVE_FLAGS is ignored: the 'AVX2 build' is the AVX-512 one, and the AVX2 path goes untested",
     ),
     dict(
+        name="parallel-helpers-per-library",
+        file="causal_lm/model/csrc/parallel.h",
+        old="inline Helpers& helpers() {",
+        new="static Helpers& helpers() {",
+        tests=["tests/test_native.py::test_the_kernel_libraries_share_one_set_of_pool_helpers"],
+        why="each kernel library keeps its own lingering helpers, which spin through the other library's calls",
+    ),
+    dict(
+        name="parallel-caller-does-not-wait-for-helpers",
+        file="causal_lm/model/csrc/parallel.h",
+        old="  while (job->done.load(std::memory_order_acquire) < n) std::this_thread::yield();\n",
+        new="",
+        tests=["tests/test_native.py::test_kernel_calls_from_several_threads_at_once_each_get_their_own_result"],
+        why="a kernel call returns while a helper still writes its outputs: results read half-written",
+    ),
+    dict(
         name="matvec-int4-offset-of-the-next-output",
         file="causal_lm/model/csrc/matvec.cc",
         old="      const int64_t at = (n0 + b) * P.G + G;",

@@ -1,7 +1,9 @@
 """The C++ kernel build (causal_lm/model/native.py): compiled with the machine's compiler, registered with XLA, called
 under jit. CI machines have gcc, so there a missing compiler fails the test instead of skipping it."""
 
+import ctypes
 import os
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -35,3 +37,50 @@ def test_kernels_can_be_turned_off_and_a_missing_source_is_an_error(monkeypatch)
     _need_compiler()
     assert not native.available("no_such_kernel")
     assert "no kernel source" in native.failure("no_such_kernel")
+
+
+def test_the_kernel_libraries_share_one_set_of_pool_helpers():
+    """The decode kernels' helpers linger in XLA's pool between calls (csrc/parallel.h); were each library's helpers
+    its own, one library's would spin through the other's calls and take a core from them."""
+    _need_compiler()
+    from causal_lm.model import decode_attention, matvec, paged_cache
+
+    libs = [
+        native.library(matvec.NAME, matvec.TARGETS),
+        native.library(decode_attention.NAME, decode_attention.TARGETS),
+        native.library(paged_cache.PAGED_ATTENTION, (paged_cache.PAGED_ATTENTION_TARGET,)),
+    ]
+    addresses = []
+    for lib in libs:
+        lib.causal_lm_parallel_state.restype = ctypes.c_void_p
+        addresses.append(lib.causal_lm_parallel_state())
+    assert addresses[0] and len(set(addresses)) == 1, addresses
+
+
+def test_kernel_calls_from_several_threads_at_once_each_get_their_own_result():
+    """Calls running at the same time post their work to the same lingering helpers: each must still get exactly
+    its own products (the sequential results, bit for bit)."""
+    _need_compiler()
+    from causal_lm.model import matvec
+
+    assert matvec.usable(), native.failure(matvec.NAME)
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((2048, 96), np.float32))
+    xs = [jnp.asarray(rng.standard_normal((1 + i % 3, 96), np.float32)) for i in range(6)]
+    f = jax.jit(lambda x: matvec.matvec_f32(x, w))
+    expected = [np.asarray(f(x)) for x in xs]
+    failures = []
+
+    def worker(i):
+        for _ in range(30):
+            got = np.asarray(f(xs[i]))
+            if not np.array_equal(got, expected[i]):
+                failures.append(i)
+                return
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(xs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures

@@ -3,8 +3,9 @@
 XLA:CPU has no fast form of two products that decoding is made of: a matrix-vector product that reads its weights at
 the machine's bandwidth (float32, int8 or int4 weights), and attention over a paged cache read in place. The
 kernels for them live in `csrc/*.cc`; `library(name)` compiles `csrc/<name>.cc` into a shared library once per
-machine (cached under `$XDG_CACHE_HOME/causal_lm/native`, keyed by the source, the flags, the compiler, jaxlib and the
-CPU), loads it and registers its handlers with XLA as FFI targets for the CPU platform. Callers use
+machine (cached under `$XDG_CACHE_HOME/causal_lm/native`, keyed by the source and the headers beside it, the flags,
+the compiler, jaxlib and the CPU), loads it (RTLD_GLOBAL: the libraries share the pool helpers of `csrc/parallel.h`)
+and registers its handlers with XLA as FFI targets for the CPU platform. Callers use
 `jax.ffi.ffi_call(target, ...)` under `jax.jit` like any other operation, on CPU only; other platforms keep the XLA
 form.
 
@@ -84,7 +85,9 @@ def _build(name: str, cxx: str) -> Path:
     include = jax.ffi.include_dir()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     key = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(flags()).encode(), str(version).encode(), jax.__version__.encode()):
+    headers = b"".join(h.read_bytes() for h in sorted(SOURCES.glob("*.h")))  # what the sources include
+    parts = (source.read_bytes(), headers, " ".join(flags()).encode(), str(version).encode(), jax.__version__.encode())
+    for part in parts:
         key.update(part)
         key.update(b"\0")
     key.update(_cpu_key().encode())
@@ -107,7 +110,8 @@ def _load(name: str):
     cxx = compiler()
     if cxx is None:
         raise NativeError("no C++ compiler found ($CXX, g++ or c++)")
-    return ctypes.cdll.LoadLibrary(str(_build(name, cxx)))
+    # RTLD_GLOBAL: the libraries share one set of pool helpers (csrc/parallel.h)
+    return ctypes.CDLL(str(_build(name, cxx)), mode=ctypes.RTLD_GLOBAL)
 
 
 _registered: set = set()

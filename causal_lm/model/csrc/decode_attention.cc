@@ -34,6 +34,7 @@
 #define CLM_VECTOR false
 #endif
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -99,24 +100,10 @@ void values_item(const Dims& d, const float* w, const float* v, float* o, int64_
   }
 }
 
-// Items 0..n-1 on the caller and XLA's pool; the caller waits only for items already running (no deadlock when the
-// pool is busy or the caller is one of its threads).
+// Items 0..n-1 on the caller and XLA's pool (parallel.h).
 template <typename F>
 void parallel_items(int64_t n, ffi::ThreadPool& pool, F fn) {
-  struct Shared {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto s = std::make_shared<Shared>();
-  auto work = [s, n, fn] {
-    for (int64_t i; (i = s->next.fetch_add(1)) < n;) {
-      fn(i);
-      s->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(1, pool.num_threads()), n) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([work] { work(); });
-  work();
-  while (s->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+  causal_lm_native::parallel_for(n, pool, fn);
 }
 
 ffi::Error Scores(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
@@ -472,3 +459,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(causal_lm_decode_attention, Attention,
                                   .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+CLM_PARALLEL_STATE_SYMBOL

@@ -9,7 +9,8 @@
 //   int4     p  [N, G, g/2] uint8, scale [N, G] (, minimum [N, G])
 //            byte j of group G holds input G*g + j in its low nibble and G*g + j + g/2 in its high nibble;
 //            w = (nibble - 8) * scale (symmetric), or nibble * scale + minimum (with minimums).
-// The outputs are split across XLA's intra-op thread pool in chunks of 64 (`ffi::Ctx<ffi::ThreadPool>`).
+// The outputs are split across the caller and XLA's intra-op thread pool in chunks of 64 (`ffi::Ctx<ffi::ThreadPool>`,
+// parallel.h: its helpers linger between calls).
 //
 // Order of the sums, the same for every output whatever the number of rows or threads (so decoding is batch
 // invariant): per output n and row r, 8 lanes; within a group, lane l is a fused multiply-add chain over the
@@ -24,11 +25,8 @@
 // weights instead of 8, which is what these products are bound by (docs/performance.md). Which order a product takes
 // depends on the machine and the weight's group size only, never on the rows.
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <memory>
-#include <thread>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -39,6 +37,7 @@
 #endif
 #endif
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -355,34 +354,14 @@ void outputs(const Problem& P, int64_t n0, int64_t n1) {
   }
 }
 
-// Runs the chunks on the caller and XLA's pool. The caller takes chunks too and then waits only for chunks already
-// running, so it never waits on a queued task (no deadlock when the pool is busy or the caller is one of its threads).
-struct Shared {
-  std::atomic<int64_t> next{0}, done{0};
-  int64_t n = 0, per = 0;
-  const Problem* problem = nullptr;
-};
-
-void run_chunks(Shared& s) {
-  for (int64_t i; (i = s.next.fetch_add(1)) < s.n;) {
-    outputs(*s.problem, i * s.per, std::min((i + 1) * s.per, s.problem->N));
-    s.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
+// Chunks of about 4 per thread, at most 16 x 64 outputs each, on the caller and XLA's pool (parallel.h); the split
+// changes no value.
 void parallel(const Problem& P, ffi::ThreadPool& pool) {
   const int64_t chunks = (P.N + kChunk - 1) / kChunk;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  // About 4 chunks per thread, at most 16 x 64 outputs each; the split changes no value.
-  const int64_t per = std::clamp<int64_t>((chunks + 4 * threads - 1) / (4 * threads), 1, 16);
-  auto s = std::make_shared<Shared>();
-  s->per = per * kChunk;
-  s->n = (P.N + s->per - 1) / s->per;
-  s->problem = &P;
-  const int64_t helpers = std::min<int64_t>(threads, s->n) - 1;
-  for (int64_t t = 0; t < helpers; ++t) pool.Schedule([s] { run_chunks(*s); });
-  run_chunks(*s);
-  while (s->done.load(std::memory_order_acquire) < s->n) std::this_thread::yield();
+  const int64_t per = std::clamp<int64_t>((chunks + 4 * threads - 1) / (4 * threads), 1, 16) * kChunk;
+  causal_lm_native::parallel_for((P.N + per - 1) / per, pool,
+                                 [&P, per](int64_t i) { outputs(P, i * per, std::min((i + 1) * per, P.N)); });
 }
 
 ffi::Error check(int64_t R, int64_t K, int64_t N) {
@@ -480,3 +459,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(causal_lm_matvec_i4m, I4Min,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+CLM_PARALLEL_STATE_SYMBOL

@@ -14,16 +14,13 @@
 // gather's fill). int8 storage: each stored vector times its float32 scale [L, P, page_size, K].
 //
 // Each (row, KV head) is one work item, computed the same way whatever the other rows are (no cross-row blocking),
-// so a row's result does not depend on the batch. Items are shared out over XLA's intra-op thread pool.
+// so a row's result does not depend on the batch. Items are shared out over XLA's intra-op thread pool (parallel.h).
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
-#include <memory>
-#include <mutex>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -136,35 +133,15 @@ void Item(const Shapes& d, int64_t b, int64_t kh, const float* q, const E* k, co
   }
 }
 
-struct Work {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  std::mutex mu;
-  std::condition_variable cv;
-};
-
 template <typename E>
 ffi::Error Run(ffi::ThreadPool pool, const Shapes& d, const float* q, const E* k, const E* v, const float* ks,
                const float* vs, const int32_t* table, const bool* visible, const float* sink, float* out) {
-  const int64_t items = d.B * d.K;
-  // Shared with the scheduled tasks, which may start after this call has returned (they then find no work left).
-  auto work = std::make_shared<Work>();
-  auto drain = [=]() {
-    std::vector<double> scores;
-    std::vector<int32_t> slots;
-    int64_t finished = 0;
-    for (int64_t i; (i = work->next.fetch_add(1)) < items; ++finished)
-      Item<E>(d, i / d.K, i % d.K, q, k, v, ks, vs, table, visible, sink, out, scores, slots);
-    if (finished && work->done.fetch_add(finished) + finished == items) {
-      std::lock_guard<std::mutex> lock(work->mu);
-      work->cv.notify_all();
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), items - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([drain]() { drain(); });
-  drain();
-  std::unique_lock<std::mutex> lock(work->mu);
-  work->cv.wait(lock, [&] { return work->done.load() == items; });
+  // Items (row, KV head) on the caller and XLA's pool (parallel.h), each thread with its own scratch.
+  causal_lm_native::parallel_for(d.B * d.K, pool, [&](int64_t i) {
+    thread_local std::vector<double> scores;
+    thread_local std::vector<int32_t> slots;
+    Item<E>(d, i / d.K, i % d.K, q, k, v, ks, vs, table, visible, sink, out, scores, slots);
+  });
   return ffi::Error::Success();
 }
 
@@ -223,3 +200,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(causal_lm_paged_attention, PagedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+CLM_PARALLEL_STATE_SYMBOL
