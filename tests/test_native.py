@@ -65,10 +65,14 @@ def test_kernel_calls_from_several_threads_at_once_each_get_their_own_result():
 
     assert matvec.usable(), native.failure(matvec.NAME)
     rng = np.random.default_rng(0)
-    w = jnp.asarray(rng.standard_normal((2048, 96), np.float32))
-    xs = [jnp.asarray(rng.standard_normal((1 + i % 3, 96), np.float32)) for i in range(6)]
-    f = jax.jit(lambda x: matvec.matvec_f32(x, w))
+    k = 1024
+    w_host = rng.standard_normal((4096, k), np.float32)
+    w = jnp.asarray(w_host)
+    xs = [jnp.asarray(rng.standard_normal((1 + i % 3, k), np.float32)) for i in range(6)]
+    f = jax.jit(lambda x: matvec.matvec_f32(x, w) * 2.0)  # the next operation reads the products at once
     expected = [np.asarray(f(x)) for x in xs]
+    for x, e in zip(xs, expected):
+        np.testing.assert_allclose(e, 2.0 * (np.asarray(x, np.float64) @ w_host.T), rtol=1e-4, atol=1e-3)
     failures = []
 
     def worker(i):
