@@ -31,7 +31,7 @@ from flax import nnx
 
 from causal_lm.bench.common import environment, fmt, machine_ceilings, ratio, settle
 from causal_lm.bench.decode import _ours_runner, _same_program, _steps_seconds
-from causal_lm.interop.gguf import load_gguf, permute_qk
+from causal_lm.interop.gguf import gguf_tensor_name, load_gguf, permute_qk
 from causal_lm.interop.hf_checkpoint import hf_tensors_from_model
 from causal_lm.interop.hf_config import hf_config_from_model
 from causal_lm.model import build_model
@@ -40,19 +40,6 @@ from causal_lm.train import load_for_inference
 TYPES = ("F32", "Q8_0", "Q4_0", "Q4_1")
 WEIGHTS_OF = {"F32": "float32", "Q8_0": "int8", "Q4_0": "int4", "Q4_1": "int4"}
 INSTALL = "pip install --no-deps llama-cpp-cffi && pip install cffi"
-
-# Hugging Face Llama tensor names (the part after model.layers.N.) -> GGUF names (llama.cpp's converter's)
-_GGUF_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj": "attn_q",
-    "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output",
-    "mlp.gate_proj": "ffn_gate",
-    "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
 
 
 class LlamaCppError(RuntimeError):
@@ -159,16 +146,12 @@ def write_gguf(model, path: str, qtype: str) -> str:
                 continue
             gname = "output.weight"
         else:
-            i, rest = name.removeprefix("model.layers.").split(".", 1)
-            for hf_part, g_part in _GGUF_NAMES.items():
-                if rest.startswith(hf_part):
-                    rest = g_part + rest[len(hf_part) :]
-                    break
-            else:
-                raise ValueError(f"the Llama layout has no GGUF name for {name}")
-            if rest.startswith(("attn_q.", "attn_k.")):
-                a = permute_qk(a, c.num_heads if rest.startswith("attn_q") else c.num_kv_heads)
-            gname = f"blk.{i}.{rest}"
+            try:
+                gname = gguf_tensor_name(name)
+            except KeyError:
+                raise ValueError(f"the Llama layout has no GGUF name for {name}") from None
+            if gname.endswith(("attn_q.weight", "attn_k.weight")):
+                a = permute_qk(a, c.num_heads if gname.endswith("attn_q.weight") else c.num_kv_heads)
         if a.ndim == 2 and qtype != "F32":
             w.add_tensor(gname, gguf.quantize(a, q), raw_dtype=q)
         else:

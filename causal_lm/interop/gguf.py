@@ -83,6 +83,16 @@ _HF_TO_GGUF = {
     "model.layers.{i}.mlp.down_proj.weight": "blk.{i}.ffn_down.weight",
 }
 
+
+def gguf_tensor_name(hf_name: str) -> str:
+    """The GGUF name llama.cpp's converter gives a Hugging Face tensor (`model.layers.3.mlp.up_proj.weight` ->
+    `blk.3.ffn_up.weight`); KeyError for a tensor the table above does not name."""
+    if hf_name.startswith("model.layers."):
+        i, rest = hf_name.removeprefix("model.layers.").split(".", 1)
+        return _HF_TO_GGUF["model.layers.{i}." + rest].format(i=i)
+    return _HF_TO_GGUF[hf_name]
+
+
 # tokenizer.ggml.token_type values
 _CONTROL, _USER_DEFINED = 3, 4
 
