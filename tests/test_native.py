@@ -71,7 +71,7 @@ def test_kernel_calls_from_several_threads_at_once_each_get_their_own_result():
     xs = [jnp.asarray(rng.standard_normal((1 + i % 3, k), np.float32)) for i in range(6)]
     f = jax.jit(lambda x: matvec.matvec_f32(x, w) * 2.0)  # the next operation reads the products at once
     expected = [np.asarray(f(x)) for x in xs]
-    for x, e in zip(xs, expected):
+    for x, e in zip(xs, expected, strict=True):
         np.testing.assert_allclose(e, 2.0 * (np.asarray(x, np.float64) @ w_host.T), rtol=1e-4, atol=1e-3)
     failures = []
 
