@@ -1196,6 +1196,22 @@ MUTANTS = [
         why="a kernel call returns while a helper still writes its outputs: results read half-written",
     ),
     dict(
+        name="decode-attention-range-drops-last-visible",
+        file="causal_lm/model/csrc/decode_attention.cc",
+        old="      hi = std::max(hi, j);",
+        new="      hi = std::max(hi, j - 1);",
+        tests=["tests/test_decode_attention.py"],
+        why="a chunk's read range stops one slot short: each row loses its newest visible key",
+    ),
+    dict(
+        name="decode-attention-range-skips-first-visible",
+        file="causal_lm/model/csrc/decode_attention.cc",
+        old="      lo = std::min(lo, j);",
+        new="      lo = std::min(lo, j + 1);",
+        tests=["tests/test_decode_attention.py"],
+        why="a chunk's read range starts one slot late: the first visible key of each chunk is dropped",
+    ),
+    dict(
         name="matvec-int4-offset-of-the-next-output",
         file="causal_lm/model/csrc/matvec.cc",
         old="      const int64_t at = (n0 + b) * P.G + G;",

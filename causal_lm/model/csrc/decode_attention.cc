@@ -271,15 +271,29 @@ void values_chunk(const Fused& d, const float* scores, const float* v0, int64_t 
 // values acc [Hv] over the chunk's visible slots (m = -inf: none visible).
 void chunk_item(const Fused& d, const float* q, const float* k, const float* v, const bool* visible, int64_t b,
                 int64_t c, float* m, float* l, float* acc) {
-  const int64_t R = d.rows(), j0 = c * kChunk, J = std::min(kChunk, d.C - j0);
+  const int64_t R = d.rows();
   const float ninf = -std::numeric_limits<float>::infinity();
-  bool any = false;
-  for (int64_t t = 0; t < d.T && !any; ++t)
-    for (int64_t j = 0; j < J; ++j) any |= visible[(b * d.T + t) * d.C + j0 + j];
+  // The slots read are the chunk's first to last visible one (of any query row): the slots outside that range would
+  // add exponentials of 0 and no values, so leaving them out changes no bit, and the chunk holding the newest
+  // position (a decode step's last chunk) reads only its filled part.
+  int64_t lo = kChunk, hi = -1;
+  {
+    const int64_t c0 = c * kChunk, n = std::min(kChunk, d.C - c0);
+    for (int64_t t = 0; t < d.T; ++t) {
+      const bool* vis = visible + (b * d.T + t) * d.C + c0;
+      int64_t j = 0;
+      while (j < std::min(n, lo) && !vis[j]) ++j;
+      lo = std::min(lo, j);
+      j = n - 1;
+      while (j > hi && !vis[j]) --j;
+      hi = std::max(hi, j);
+    }
+  }
   std::fill_n(m, R, ninf);
   std::fill_n(l, R, 0.0f);
   std::fill_n(acc, R * d.Hv, 0.0f);
-  if (!any) return;
+  if (hi < lo) return;  // no row sees a slot of the chunk
+  const int64_t j0 = c * kChunk + lo, J = hi - lo + 1;
   thread_local std::vector<float> scratch;
   scratch.resize(static_cast<size_t>(R * kChunk));
   const int64_t kstride = d.K * d.H, vstride = d.K * d.Hv;  // floats from one slot to the next
