@@ -1212,6 +1212,22 @@ MUTANTS = [
         why="a chunk's read range starts one slot late: the first visible key of each chunk is dropped",
     ),
     dict(
+        name="greedy-argmax-ignores-nan",
+        file="causal_lm/decode/sampling.py",
+        old="    hit = (logits == largest) | jnp.isnan(logits)",
+        new="    hit = logits == largest",
+        tests=["tests/test_cache.py::test_greedy_tokens_are_jnp_argmax_ties_nans_and_infinities_included"],
+        why="a row holding a NaN matches no index: greedy decoding emits the out-of-range id V, which JAX clamps",
+    ),
+    dict(
+        name="greedy-argmax-last-of-ties",
+        file="causal_lm/decode/sampling.py",
+        old="    return jnp.min(jnp.where(hit, index, logits.shape[-1]), axis=-1)",
+        new="    return jnp.max(jnp.where(hit, index, -1), axis=-1)",
+        tests=["tests/test_cache.py::test_greedy_tokens_are_jnp_argmax_ties_nans_and_infinities_included"],
+        why="tied maxima resolve to the last index, not the first as jnp.argmax (and the peers) do",
+    ),
+    dict(
         name="matvec-int4-offset-of-the-next-output",
         file="causal_lm/model/csrc/matvec.cc",
         old="      const int64_t at = (n0 + b) * P.G + G;",

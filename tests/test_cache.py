@@ -15,7 +15,7 @@ from variants import VARIANT_IDS, VARIANTS, tiny_config, tiny_mla_config, tiny_m
 import causal_lm
 from causal_lm import CacheError, GenerateError, generate, init_cache
 from causal_lm.decode.generate import bucket_length, compile_count
-from causal_lm.decode.sampling import sample
+from causal_lm.decode.sampling import argmax_tokens, sample
 from causal_lm.model import build_model
 from causal_lm.model.functional import forward
 
@@ -370,6 +370,27 @@ def test_greedy_and_temperature():
     # 4,000 draws: each frequency's standard error is at most sqrt(0.25 / 4000) = 0.008, so 0.03 is ~4 of them
     # (and the draws are seeded: the same on every run)
     np.testing.assert_allclose(np.bincount(hot, minlength=3) / 4000, [0.2, 0.5, 0.3], atol=0.03)
+
+
+def test_greedy_tokens_are_jnp_argmax_ties_nans_and_infinities_included():
+    """`argmax_tokens` (greedy decoding's two-reduction argmax) returns what jnp.argmax returns on every row: the
+    first of tied maxima, the first NaN of a row holding one, 0 for a row of -inf, a lone +inf."""
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((12, 50)).astype(np.float32)
+    rows[0, [3, 17, 40]] = 9.0  # ties: the first wins
+    rows[1, [5, 30]] = np.nan  # NaN counts as the largest, the first one
+    rows[2, 7] = np.nan
+    rows[2, 9] = np.inf
+    rows[3] = -np.inf
+    rows[4, 44] = np.inf
+    rows[5] = 0.0
+    rows[5, [10, 20]] = -0.0  # -0.0 == 0.0: index 0 still wins
+    rows[6] = np.round(rows[6])  # many ties among small integers
+    f = jax.jit(argmax_tokens)
+    np.testing.assert_array_equal(f(rows), np.asarray(jnp.argmax(rows, axis=-1)))
+    assert f(rows).dtype == jnp.int32
+    three = rows.reshape(3, 4, 50)  # any leading shape
+    np.testing.assert_array_equal(f(three), np.asarray(jnp.argmax(three, axis=-1)))
 
 
 def test_sampling_is_seeded_and_the_same_with_and_without_cache():

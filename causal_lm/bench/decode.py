@@ -29,6 +29,7 @@ from causal_lm.bench.first_call import first_call_latency
 from causal_lm.bench.peer import build_peer, peer_forward, peer_mismatch, peer_runner
 from causal_lm.config import Config, ModelConfig
 from causal_lm.decode import generate
+from causal_lm.decode.sampling import argmax_tokens
 from causal_lm.interop.gguf import load_gguf
 from causal_lm.interop.hf_weights import model_from_params
 from causal_lm.model.kv_cache import CACHE_DTYPES, cache_bytes, init_cache
@@ -122,12 +123,12 @@ def decode_loop_comparison(model, context: int, batch: int = 1, n: int = 64, rep
     @functools.partial(jax.jit, donate_argnames=("cache",))
     def prefill(state, tokens, cache):
         logits, cache = nnx.merge(graphdef, state)(tokens, cache=cache)
-        return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache
+        return argmax_tokens(logits[:, -1]), cache
 
     @functools.partial(jax.jit, donate_argnames=("cache",))
     def step(state, layers, tok, cache):
         logits, cache = nnx.merge(graphdef, state)(tok[:, None], cache=cache, layers=layers)
-        return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), cache
+        return argmax_tokens(logits[:, -1]), cache
 
     layers = split(state)
     tokens = jnp.asarray(prompts)

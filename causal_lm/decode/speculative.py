@@ -34,7 +34,7 @@ from flax import nnx
 from causal_lm import parallel
 from causal_lm.decode.loop import Progress
 from causal_lm.decode.prefill import count_trace, prefill, shard_cache
-from causal_lm.decode.sampling import BatchSampling, probabilities
+from causal_lm.decode.sampling import BatchSampling, argmax_tokens, probabilities
 from causal_lm.model.kv_cache import init_cache
 
 
@@ -125,7 +125,7 @@ def _accept(logits, drafts, q, n_prop, key, temperature, top_k, top_p):
     q_d = jnp.sum(q * onehot, -1)
     k_accept, k_next = jax.random.split(key)
     u = jax.random.uniform(k_accept, (B, k))
-    greedy_ok = drafts == jnp.argmax(logits[:, :k], -1)
+    greedy_ok = drafts == argmax_tokens(logits[:, :k])
     ok = jnp.where(temperature > 0, u * q_d < p_d, greedy_ok) & (jnp.arange(k)[None] < n_prop[:, None])
     a = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)  # leading accepted run
     p_a = jnp.take_along_axis(p, a[:, None, None], axis=1)[:, 0]  # [B, V]
@@ -134,7 +134,7 @@ def _accept(logits, drafts, q, n_prop, key, temperature, top_k, top_p):
     rejected = a < n_prop
     dist = jnp.where(rejected[:, None] & (residual.sum(-1, keepdims=True) > 0), residual, p_a)
     drawn = jax.random.categorical(k_next, jnp.log(dist), axis=-1).astype(jnp.int32)
-    greedy_next = jnp.argmax(jnp.take_along_axis(logits, a[:, None, None], axis=1)[:, 0], -1).astype(jnp.int32)
+    greedy_next = argmax_tokens(jnp.take_along_axis(logits, a[:, None, None], axis=1)[:, 0])
     return a, jnp.where(temperature > 0, drawn, greedy_next)
 
 
