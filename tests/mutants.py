@@ -1228,6 +1228,14 @@ MUTANTS = [
         why="tied maxima resolve to the last index, not the first as jnp.argmax (and the peers) do",
     ),
     dict(
+        name="bench-gguf-qk-not-permuted",
+        file="causal_lm/bench/llamacpp.py",
+        old='            if gname.endswith(("attn_q.weight", "attn_k.weight")):',
+        new="            if False:",
+        tests=["tests/test_llamacpp.py"],
+        why="the bench's GGUF files keep q/k rows in Hugging Face order: llama.cpp's RoPE pairs the wrong dimensions",
+    ),
+    dict(
         name="matvec-int4-offset-of-the-next-output",
         file="causal_lm/model/csrc/matvec.cc",
         old="      const int64_t at = (n0 + b) * P.G + G;",

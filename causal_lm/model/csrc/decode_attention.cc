@@ -100,12 +100,6 @@ void values_item(const Dims& d, const float* w, const float* v, float* o, int64_
   }
 }
 
-// Items 0..n-1 on the caller and XLA's pool (parallel.h).
-template <typename F>
-void parallel_items(int64_t n, ffi::ThreadPool& pool, F fn) {
-  causal_lm_native::parallel_for(n, pool, fn);
-}
-
 ffi::Error Scores(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                   ffi::ResultBuffer<ffi::F32> s) {
   auto qd = q.dimensions(), kd = k.dimensions();
@@ -114,7 +108,8 @@ ffi::Error Scores(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
   const Dims d{qd[0], qd[1], qd[2], kd[2], qd[2] / kd[2], kd[1], qd[3], 0};
   const float *qp = q.typed_data(), *kp = k.typed_data();
   float* sp = s->typed_data();
-  parallel_items(d.B * d.K, pool, [&d, qp, kp, sp](int64_t i) { scores_item(d, qp, kp, sp, i / d.K, i % d.K); });
+  causal_lm_native::parallel_for(d.B * d.K, pool,
+                                 [&d, qp, kp, sp](int64_t i) { scores_item(d, qp, kp, sp, i / d.K, i % d.K); });
   return ffi::Error::Success();
 }
 
@@ -126,7 +121,8 @@ ffi::Error Values(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi
   const Dims d{wd[0], wd[3], wd[1] * wd[2], wd[1], wd[2], wd[4], 0, vd[3]};
   const float *wp = w.typed_data(), *vp = v.typed_data();
   float* op = o->typed_data();
-  parallel_items(d.B * d.K, pool, [&d, wp, vp, op](int64_t i) { values_item(d, wp, vp, op, i / d.K, i % d.K); });
+  causal_lm_native::parallel_for(d.B * d.K, pool,
+                                 [&d, wp, vp, op](int64_t i) { values_item(d, wp, vp, op, i / d.K, i % d.K); });
   return ffi::Error::Success();
 }
 
@@ -419,7 +415,7 @@ ffi::Error Attention(ffi::ThreadPool pool, float scale, float softcap, int32_t h
   float *pm = partial.data(), *pl = pm + parts * R, *pa = pl + parts * R;
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
   const bool* vis = reinterpret_cast<const bool*>(visible.untyped_data());
-  parallel_items(parts, pool, [&d, qp, kp, vp, vis, pm, pl, pa, R](int64_t i) {
+  causal_lm_native::parallel_for(parts, pool, [&d, qp, kp, vp, vis, pm, pl, pa, R](int64_t i) {
     chunk_item(d, qp, kp, vp, vis, i / d.chunks, i % d.chunks, pm + i * R, pl + i * R, pa + i * R * d.Hv);
   });
   const float ninf = -std::numeric_limits<float>::infinity();
