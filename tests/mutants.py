@@ -1228,14 +1228,6 @@ MUTANTS = [
         why="tied maxima resolve to the last index, not the first as jnp.argmax (and the peers) do",
     ),
     dict(
-        name="bench-gguf-qk-not-permuted",
-        file="causal_lm/bench/llamacpp.py",
-        old='            if gname.endswith(("attn_q.weight", "attn_k.weight")):',
-        new="            if False:",
-        tests=["tests/test_llamacpp.py"],
-        why="the bench's GGUF files keep q/k rows in Hugging Face order: llama.cpp's RoPE pairs the wrong dimensions",
-    ),
-    dict(
         name="matvec-int4-offset-of-the-next-output",
         file="causal_lm/model/csrc/matvec.cc",
         old="      const int64_t at = (n0 + b) * P.G + G;",
@@ -1272,8 +1264,8 @@ MUTANTS = [
     dict(
         name="decode-attention-in-place-chunk-end",
         file="causal_lm/model/csrc/decode_attention.cc",
-        old="J = std::min(kChunk, d.C - j0);",
-        new="J = std::min(kChunk - 1, d.C - j0);",
+        old="n = std::min(kChunk, d.C - c0);",
+        new="n = std::min(kChunk - 1, d.C - c0);",
         tests=[
             "tests/test_decode_attention.py::test_whole_attention_equals_xla_and_does_not_depend_on_the_batch[1-3-3-64-150-extras0]"
         ],
@@ -1342,7 +1334,7 @@ MUTANTS = [
     dict(
         name="llamacpp-peer-qk-unpermuted",
         file="causal_lm/bench/llamacpp.py",
-        old='                a = permute_qk(a, c.num_heads if rest.startswith("attn_q") else c.num_kv_heads)',
+        old='                a = permute_qk(a, c.num_heads if gname.endswith("attn_q.weight") else c.num_kv_heads)',
         new="                pass",
         tests=["tests/test_llamacpp.py::test_llamacpp_and_we_decode_float32_to_the_same_greedy_tokens"],
         why="the GGUF writer leaves q/k in the Hugging Face rotary layout: llama.cpp would decode another model",
