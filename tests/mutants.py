@@ -1068,6 +1068,15 @@ MUTANTS = [
         why="the last output of each chunk (past the blocks of 3 outputs) is never computed for blocks of 4 rows",
     ),
     dict(
+        name="matvec-split-drops-the-last-range",
+        file="causal_lm/model/csrc/matvec.cc",
+        old="  causal_lm_native::parallel_for((P.N + per - 1) / per, pool,",
+        new="  causal_lm_native::parallel_for(P.N / per, pool,",
+        tests=["tests/test_matvec.py::test_float32_kernel_equals_xla_and_is_batch_invariant[64-70]"],
+        why="the per-thread ranges of outputs are counted rounding down: the outputs past the last whole range (70 "
+        "outputs over 2 threads: 40 and 30) are never computed",
+    ),
+    dict(
         name="matvec-drops-the-leftover-rows",
         file="causal_lm/model/csrc/matvec.cc",
         old="if (R4 == P.R) return;",
