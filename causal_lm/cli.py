@@ -20,10 +20,11 @@ import argparse
 import errno
 import importlib
 import logging
+import os
 import sys
 import warnings
 
-from causal_lm import compile_cache, malloc
+from causal_lm import malloc
 from causal_lm.notes import Note
 
 # name -> (module, one-line summary for `causal-lm --help`)
@@ -63,7 +64,26 @@ def _command_name(argv) -> str | None:
     return name if name in COMMANDS else None
 
 
+def _huge_pages() -> None:
+    """Re-execute this command with glibc's heap on huge pages, where that applies (`causal_lm.malloc`: 5-8% on
+    a decode step). Only for the command line itself (never when `main` is called with arguments from Python),
+    before JAX is imported; the process keeps its ID, so a signal sent to it still reaches the command."""
+    if os.path.basename(sys.argv[0]) not in ("causal-lm", "causal-lm.exe", "cli.py") or not sys.executable:
+        return
+    env = malloc.huge_pages_env()
+    if env is None:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execve(sys.executable, sys.orig_argv, env)
+    except OSError:
+        pass  # could not: run on with 4 KiB pages
+
+
 def main(argv=None) -> int:
+    if argv is None:
+        _huge_pages()
     argv = list(sys.argv[1:] if argv is None else argv)
     name = _command_name(argv)
     # Without a known command there is nothing to parse but --help or an error: the summaries suffice.
@@ -87,6 +107,8 @@ def main(argv=None) -> int:
         return 2
     prefix = f"causal-lm {args.command}"
     malloc.keep_freed_memory()  # before JAX allocates anything large
+    from causal_lm import compile_cache  # imports JAX
+
     compile_cache.enable()
     if not args.debug:
         _QuietOrbaxErrors.install()

@@ -101,3 +101,95 @@ def test_a_preloaded_allocator_is_left_to_do_the_job():
     lib = next((c for c in CANDIDATES if os.access(c, os.R_OK)), "/nonexistent/libjemalloc.so.2")
     assert _returned_mib(LD_PRELOAD=lib)[0] == "preloaded"
     assert _returned_mib(CAUSAL_LM_MALLOC="/opt/lib/libmymalloc.so")[0] == "preloaded"  # what _malloc.sh preloaded
+
+
+# ---- glibc's heap on huge pages (causal_lm/malloc.py's huge_pages_env, applied by `causal-lm` re-executing) ----
+
+
+def test_huge_pages_env_applies_only_where_it_changes_something():
+    from causal_lm.malloc import huge_pages_env
+
+    base = {"PATH": "/usr/bin"}
+    env = huge_pages_env(base, glibc=(2, 36), thp_mode="madvise")
+    assert env == {"PATH": "/usr/bin", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    # tunables already set are kept, the new one appended
+    env = huge_pages_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, glibc=(2, 40), thp_mode="madvise")
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    # nothing to do: the kernel decides alone, has none, glibc is too old or absent, the user (or the re-exec
+    # itself) already chose, or another allocator is in charge
+    assert huge_pages_env(base, glibc=(2, 36), thp_mode="always") is None
+    assert huge_pages_env(base, glibc=(2, 36), thp_mode="never") is None
+    assert huge_pages_env(base, glibc=(2, 34), thp_mode="madvise") is None
+    chosen_already = (
+        "glibc.malloc.hugetlb=0",
+        "glibc.malloc.hugetlb=1",
+        "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=2",
+    )
+    for chosen in chosen_already:
+        assert huge_pages_env({"GLIBC_TUNABLES": chosen}, glibc=(2, 36), thp_mode="madvise") is None
+    other_allocators = (
+        {"CAUSAL_LM_MALLOC": "system"},
+        {"CAUSAL_LM_MALLOC": "/opt/lib.so"},
+        {"LD_PRELOAD": "libjemalloc.so.2"},
+    )
+    for other in other_allocators:
+        assert huge_pages_env(other, glibc=(2, 36), thp_mode="madvise") is None
+
+
+# The command line as a user's `causal-lm --help` runs it (sys.argv[0] is the console script), printing its
+# process ID and GLIBC_TUNABLES each time this code starts: once, or twice when `causal-lm` re-executes itself.
+_REEXEC = """
+import os, sys
+print(os.getpid(), os.environ.get("GLIBC_TUNABLES"), flush=True)
+sys.argv = ["causal-lm", "--help"]
+from causal_lm.cli import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize("preset", [None, "glibc.malloc.hugetlb=0"])
+def test_the_command_line_reexecutes_itself_once_with_huge_pages(preset):
+    from causal_lm.malloc import huge_pages_env
+
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "CAUSAL_LM_MALLOC", "GLIBC_TUNABLES")}
+    env["PYTHONPATH"] = ROOT
+    if preset:
+        env["GLIBC_TUNABLES"] = preset
+    proc = subprocess.run([sys.executable, "-c", _REEXEC], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    starts = [line.split() for line in proc.stdout.splitlines()[:2] if line.split()[0].isdigit()]
+    assert starts[0] == [starts[0][0], str(preset)]
+    if huge_pages_env(env) is None:  # this machine or environment: nothing to gain, so no second start
+        assert len(starts) == 1, proc.stdout
+    else:  # the same process (a signal sent to it still reaches the command), now with the tunable, once
+        assert [s[0] for s in starts] == [starts[0][0]] * 2 and starts[1][1] == "glibc.malloc.hugetlb=1", proc.stdout
+    assert "usage: causal-lm" in proc.stdout
+
+
+_HUGE = """
+import ctypes
+from causal_lm.malloc import keep_freed_memory
+keep_freed_memory()
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+p = libc.malloc(2**28)  # 256 MiB as XLA gets it (numpy would ask for huge pages itself), touched
+ctypes.memset(p, 1, 2**28)
+kib = [l.split()[1] for l in open("/proc/self/smaps_rollup") if l.startswith("AnonHugePages:")]
+print(int(kib[0]) // 1024)
+"""
+
+
+def test_the_tunable_gives_the_heap_huge_pages():
+    """What the re-exec is for, on this machine: a large block from malloc sits on 2 MiB pages."""
+    from causal_lm.malloc import huge_pages_env
+
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "CAUSAL_LM_MALLOC", "GLIBC_TUNABLES")}
+    env["PYTHONPATH"] = ROOT
+    tuned = huge_pages_env(env)
+    if tuned is None or not os.path.exists("/proc/self/smaps_rollup"):
+        pytest.skip("huge pages through glibc's tunable do not apply here (see causal_lm.malloc.huge_pages_env)")
+    mib = [
+        int(subprocess.run([sys.executable, "-c", _HUGE], env=e, capture_output=True, text=True, check=True).stdout)
+        for e in (env, tuned)
+    ]
+    assert mib[1] >= 128 and mib[1] > mib[0] + 64, f"AnonHugePages without / with the tunable: {mib} MiB"
