@@ -107,9 +107,8 @@ def main(argv=None) -> int:
         return 2
     prefix = f"causal-lm {args.command}"
     malloc.keep_freed_memory()  # before JAX allocates anything large
-    from causal_lm import compile_cache  # imports JAX
-
-    compile_cache.enable()
+    # Loaded here, as the commands are: it imports JAX, which `_huge_pages` re-executes before paying for.
+    importlib.import_module("causal_lm.compile_cache").enable()
     if not args.debug:
         _QuietOrbaxErrors.install()
     with warnings.catch_warnings():
