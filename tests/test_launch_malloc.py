@@ -106,6 +106,12 @@ def test_a_preloaded_allocator_is_left_to_do_the_job():
 # ---- glibc's heap on huge pages (causal_lm/malloc.py's huge_pages_env, applied by `causal-lm` re-executing) ----
 
 
+def _plain_env() -> dict:
+    """This environment without an allocator choice or glibc tunables, importing this checkout's package."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "CAUSAL_LM_MALLOC", "GLIBC_TUNABLES")}
+    return env | {"PYTHONPATH": ROOT}
+
+
 def test_huge_pages_env_applies_only_where_it_changes_something():
     from causal_lm.malloc import huge_pages_env
 
@@ -151,13 +157,12 @@ sys.exit(main())
 def test_the_command_line_reexecutes_itself_once_with_huge_pages(preset):
     from causal_lm.malloc import huge_pages_env
 
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "CAUSAL_LM_MALLOC", "GLIBC_TUNABLES")}
-    env["PYTHONPATH"] = ROOT
+    env = _plain_env()
     if preset:
         env["GLIBC_TUNABLES"] = preset
     proc = subprocess.run([sys.executable, "-c", _REEXEC], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    starts = [line.split() for line in proc.stdout.splitlines()[:2] if line.split()[0].isdigit()]
+    starts = [line.split() for line in proc.stdout.splitlines()[:2] if line.split()[:1] and line.split()[0].isdigit()]
     assert starts[0] == [starts[0][0], str(preset)]
     if huge_pages_env(env) is None:  # this machine or environment: nothing to gain, so no second start
         assert len(starts) == 1, proc.stdout
@@ -183,8 +188,7 @@ def test_the_tunable_gives_the_heap_huge_pages():
     """What the re-exec is for, on this machine: a large block from malloc sits on 2 MiB pages."""
     from causal_lm.malloc import huge_pages_env
 
-    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "CAUSAL_LM_MALLOC", "GLIBC_TUNABLES")}
-    env["PYTHONPATH"] = ROOT
+    env = _plain_env()
     tuned = huge_pages_env(env)
     if tuned is None or not os.path.exists("/proc/self/smaps_rollup"):
         pytest.skip("huge pages through glibc's tunable do not apply here (see causal_lm.malloc.huge_pages_env)")
