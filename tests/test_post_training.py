@@ -334,7 +334,11 @@ def test_rollout_engine_pool_is_sized_to_the_rollout():
 
 # A short GRPO run on the easy arithmetic task (operands below 3) from a model SFT'd briefly on it: the expected
 # reward on 16 held-out questions (mean exact-match reward over 16 samples each) rises. GRPO seeds 0, 1, 2 (this
-# SFT'd model, 12 steps): 0.316 -> 0.465, 0.449 and 0.324: the rise of 0.1 asserted holds for two seeds of three.
+# SFT'd model, 24 steps, on an Intel Xeon model 207): 0.273 -> 0.457, 0.453 and 0.410; at 12 steps the rise was
+# 0.12, 0.15, 0.12, too near the 0.1 asserted to hold on every CPU. The run is in the default (not batch-invariant)
+# mode: its update is ten times cheaper under the suite's unoptimized XLA flags (0.45 s a step against 5 s), and
+# what it checks is that the policy learns; the invariant mode's parity is checked by the tests above and, end to
+# end through `causal-lm train --task grpo`, by tests/test_post_loop.py.
 EASY = 3
 
 
@@ -423,11 +427,12 @@ def test_a_short_grpo_run_raises_the_arithmetic_reward(sft_model):
         inner_steps=2,
         reward="causal_lm.train.grpo:arithmetic_reward",
         seed=0,
+        batch_invariant=False,
     )
     held_out = arithmetic_questions(16, seed=1, max_operand=EASY)
     before = evaluate_reward(model, tok, held_out, s)["expected_reward"]
     trainer = GRPOTrainer(model, tok, s, problem_fn=functools.partial(arithmetic_problem, max_operand=EASY))
-    for _ in range(12):
+    for _ in range(24):
         trainer.step()
     after = evaluate_reward(trainer.model(), tok, held_out, s)["expected_reward"]
     print(f"expected reward {before:.3f} -> {after:.3f}")
