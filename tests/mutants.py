@@ -1205,6 +1205,16 @@ MUTANTS = [
         why="CAUSAL_LM_NATIVE_FLAGS is ignored: the 'AVX2 build' is the AVX-512 one, and the AVX2 path goes untested",
     ),
     dict(
+        name="attention-wide-values-at-8-float-steps",
+        file="causal_lm/model/csrc/decode_attention.cc",
+        old="a[b][u] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(vj + 16 * u), a[b][u]);",
+        new="a[b][u] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(vj + 8 * u), a[b][u]);",
+        tests=["tests/test_decode_attention.py::test_the_avx512_value_sums_give_the_avx2_builds_bits"],
+        cpu="avx512f",
+        why="the 16-lane value sums step through a slot's values 8 floats at a time (the AVX2 block's stride): "
+        "elements 8-15 of each vector of 16 sum the wrong values",
+    ),
+    dict(
         name="parallel-helpers-per-library",
         file="causal_lm/model/csrc/parallel.h",
         old="inline Helpers& helpers() {",

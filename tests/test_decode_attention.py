@@ -5,6 +5,8 @@ them equals recomputation for the attention variants whose decode takes this pat
 
 import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -102,16 +104,17 @@ def test_decoding_through_the_kernels_equals_recompute(name):
 # ---- the whole attention over a contiguous cache's stacked buffers (`kernels.layer_attention_in_place`) ---
 
 
-@pytest.mark.parametrize(
-    "T,K,G,H,C,extras",
-    [
-        (1, 3, 3, 64, 150, ()),  # two chunks of 128 slots, the last one partial; Hv 72: value blocks of 32 and 8
-        (2, 2, 2, 16, 64, ("sink",)),  # one whole chunk
-        (3, 1, 4, 12, 70, ("softcap",)),  # H 12: the scalar paths
-        (1, 2, 1, 8, 200, ("sink", "softcap")),
-    ],
-)
-def test_whole_attention_equals_xla_and_does_not_depend_on_the_batch(T, K, G, H, C, extras):
+WHOLE_CASES = [
+    (1, 3, 3, 64, 150, ()),  # two chunks of 128 slots, the last one partial; Hv 72: value blocks of 64 (AVX-512) or
+    # 32 (AVX2), then 8
+    (2, 2, 2, 16, 64, ("sink",)),  # one whole chunk; Hv 24: 16 + 8 (AVX-512)
+    (3, 1, 4, 12, 70, ("softcap",)),  # H 12: the scalar paths
+    (1, 2, 1, 8, 200, ("sink", "softcap")),
+]
+
+
+def _whole_case(T, K, G, H, C, extras):
+    """(q, k, v, layer, visible, keywords) of one case of the whole attention: 4 rows over layer 1 of 3."""
     rng = np.random.default_rng(2)
     L, B, layer = 3, 4, 1
     q = jnp.asarray(rng.standard_normal((B, T, K * G, H)) * 2, jnp.float32)
@@ -127,6 +130,12 @@ def test_whole_attention_equals_xla_and_does_not_depend_on_the_batch(T, K, G, H,
         sink=jnp.asarray(rng.standard_normal(K * G), jnp.float32) if "sink" in extras else None,
         softcap=5.0 if "softcap" in extras else None,
     )
+    return q, k, v, layer, visible, kw
+
+
+@pytest.mark.parametrize("T,K,G,H,C,extras", WHOLE_CASES)
+def test_whole_attention_equals_xla_and_does_not_depend_on_the_batch(T, K, G, H, C, extras):
+    q, k, v, layer, visible, kw = _whole_case(T, K, G, H, C, extras)
     got = np.asarray(_attend(q, k, v, layer, visible, **kw))
     want = np.asarray(kernels.reference_attention(q, k[layer], v[layer], AttentionMask(visible=visible), **kw)[0])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
@@ -135,6 +144,40 @@ def test_whole_attention_equals_xla_and_does_not_depend_on_the_batch(T, K, G, H,
     # row 1 alone (its own cache rows): the same bits as within the batch of 4
     alone = _attend(q[1:2], k[:, 1:2], v[:, 1:2], layer, visible[1:2], **kw)
     np.testing.assert_array_equal(np.asarray(alone)[0], got[1])
+
+
+_AVX2_BUILD = """
+import sys, numpy as np
+sys.path.insert(0, sys.argv[1])
+import test_decode_attention as t
+from causal_lm.model import decode_attention, native
+assert decode_attention.usable()
+out = {}
+for i, case in enumerate(t.WHOLE_CASES):
+    q, k, v, layer, visible, kw = t._whole_case(*case)
+    out[str(i)] = np.asarray(t._attend(q, k, v, layer, visible, **kw))
+np.savez(sys.argv[2], **out)
+print(native.library(decode_attention.NAME)._name)
+"""
+
+
+@pytest.mark.skipif("avx512f" not in open("/proc/cpuinfo").read(), reason="without AVX-512 there is one vector path")
+def test_the_avx512_value_sums_give_the_avx2_builds_bits(tmp_path):
+    """On a CPU with AVX-512 the whole attention sums the values 16 output elements a vector; each element's chain
+    of fused multiply-adds is the one the AVX2 path runs, so the kernel built without AVX-512
+    (`CAUSAL_LM_NATIVE_FLAGS=-mno-avx512f`, in a subprocess: another library file) gives the same bits."""
+    env = dict(os.environ, **{native.FLAGS_ENV: "-mno-avx512f"})
+    out = tmp_path / "avx2.npz"
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, "-c", _AVX2_BUILD, here, str(out)], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-1] != native.library(decode_attention.NAME)._name, "the subprocess loaded this build"
+    avx2 = np.load(out)
+    for i, case in enumerate(WHOLE_CASES):
+        q, k, v, layer, visible, kw = _whole_case(*case)
+        np.testing.assert_array_equal(
+            np.asarray(_attend(q, k, v, layer, visible, **kw)), avx2[str(i)], err_msg=str(case)
+        )
 
 
 def test_whole_attention_reads_the_layer_it_is_given_and_has_a_gradient():
