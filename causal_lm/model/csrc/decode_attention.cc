@@ -16,7 +16,7 @@
 // batch): a dot product over H in 8 lanes (lane l: the inputs i = l mod 8 in increasing order, fused
 // multiply-adds), then ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)); a value sum over j in increasing order,
 // o = fma(w_j, v_j, o) per output element. Work items are (row b, KV head kh), shared out over XLA's intra-op
-// threads; the AVX2 path and the scalar path (H or Hv not a multiple of 8) do exactly these operations, and so does
+// threads; the AVX2 path and the scalar path (H or Hv not a multiple of 8) do exactly these operations, and so do
 // the whole attention's AVX-512 value sums (16 output elements a vector, each its own chain).
 #include <algorithm>
 #include <atomic>
