@@ -1196,6 +1196,16 @@ MUTANTS = [
         why="the 16-lane path scales every group of an output by its first group's scale",
     ),
     dict(
+        name="matvec-wide-int4-high-nibbles-looked-up-unshifted",
+        file="causal_lm/model/csrc/matvec.cc",
+        old="const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(lanes, 4), values);",
+        new="const __m512 hi = _mm512_permutexvar_ps(lanes, values);",
+        tests=["tests/test_matvec.py::test_quantized_kernels_equal_the_dequantized_float_product[64-70-int4-g32]"],
+        cpu="avx512f",
+        why="the 16-lane int4 path looks the high nibbles up by the byte's low 4 bits: every weight of the group's "
+        "second half is its first half's",
+    ),
+    dict(
         name="native-extra-flags-ignored",
         file="causal_lm/model/native.py",
         old='    return FLAGS + tuple(shlex.split(os.environ.get(FLAGS_ENV, "")))',

@@ -277,11 +277,16 @@ void wide_rows(const Problem& P, int64_t r0, int64_t n0) {
         }
       if (G % 4 == 0)
         for (int b = 0; b < NB; ++b) ahead(p + b * row);
-      const __m128i nib = _mm_set1_epi8(15);
+      // Each of the 16 bytes widened once to a 32-bit lane; its two nibbles become floats by a lookup in the 16
+      // values 0..15 (vpermps takes its index from a lane's low 4 bits, so the low nibble needs no mask): the floats
+      // a conversion of each nibble gives, in 5 instructions for 32 weights instead of 8 (masks, two widenings,
+      // two conversions). Zen 5, 30 layers' int4 g32 products chained, one row, alternated in one process: 5.31 ->
+      // 5.02 ms (symmetric, 9 of 12 rounds), 7.27 -> 6.73 ms (minimums, 8 of 12).
+      const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
       for (int b = 0; b < NB; ++b) {
-        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + b * row));
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, nib)));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), nib)));
+        const __m512i lanes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + b * row)));
+        const __m512 lo = _mm512_permutexvar_ps(lanes, values);
+        const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(lanes, 4), values);
         for (int r = 0; r < RB; ++r) {
           part[r][b] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + k0), lo, part[r][b]);
           part[r][b] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + k0 + 16), hi, part[r][b]);
