@@ -1225,6 +1225,16 @@ MUTANTS = [
         "elements 8-15 of each vector of 16 sum the wrong values",
     ),
     dict(
+        name="attention-score-pairs-second-row-reads-the-first-query",
+        file="causal_lm/model/csrc/decode_attention.cc",
+        old="_mm256_loadu_ps(q1 + h), 1);",
+        new="_mm256_loadu_ps(q0 + h), 1);",
+        tests=["tests/test_decode_attention.py::test_the_avx512_value_sums_give_the_avx2_builds_bits"],
+        cpu="avx512f",
+        why="the AVX-512 scores of two rows that share a KV head: the upper half multiplies the first row's query, so "
+        "the second row gets the first one's scores",
+    ),
+    dict(
         name="parallel-helpers-per-library",
         file="causal_lm/model/csrc/parallel.h",
         old="inline Helpers& helpers() {",

@@ -109,7 +109,8 @@ WHOLE_CASES = [
     # 32 (AVX2), then 8
     (2, 2, 2, 16, 64, ("sink",)),  # one whole chunk; Hv 24: 16 + 8 (AVX-512)
     (3, 1, 4, 12, 70, ("softcap",)),  # H 12: the scalar paths
-    (1, 2, 1, 8, 200, ("sink", "softcap")),
+    (3, 2, 1, 8, 200, ("sink", "softcap")),  # a KV head's 3 rows: two share the AVX-512 score instructions (across
+    # queries t = 0, 1), the third takes the 8-lane form
 ]
 
 
@@ -170,8 +171,9 @@ def _has_avx512() -> bool:
 
 @pytest.mark.skipif(not _has_avx512(), reason="without AVX-512 there is one vector path")
 def test_the_avx512_value_sums_give_the_avx2_builds_bits(tmp_path):
-    """On a CPU with AVX-512 the whole attention sums the values 16 output elements a vector; each element's chain
-    of fused multiply-adds is the one the AVX2 path runs, so the kernel built without AVX-512
+    """On a CPU with AVX-512 the whole attention sums the values 16 output elements a vector and scores two query rows
+    of a KV head per instruction; each element's chain of fused multiply-adds is the one the AVX2 path runs, so the
+    kernel built without AVX-512
     (`CAUSAL_LM_NATIVE_FLAGS=-mno-avx512f`, in a subprocess: another library file) gives the same bits."""
     env = dict(os.environ, **{native.FLAGS_ENV: "-mno-avx512f"})
     out = tmp_path / "avx2.npz"

@@ -295,6 +295,49 @@ void values_chunk(const Fused& d, const float* scores, const float* v0, int64_t 
 }
 #endif
 
+#ifdef CLM_AVX512
+// The scores of eight slots (keys from kj, slot stride kstride) for every row of batch row b, H % 8 == 0, on a CPU with
+// AVX-512: two rows that read the same KV head share each instruction, one in each 256-bit half, both halves
+// multiplying the same keys; each half is the 8-lane chain the AVX2 path runs for its row, so the same bits with
+// half the multiply-adds and one load of each key vector for two rows. A KV head's rows are taken in (t, g) order in
+// pairs; an odd one left over takes the AVX2 form.
+inline void scores_kv_pairs(const Fused& d, const float* q, const float* kj, int64_t kstride, int64_t b, float* s) {
+  const int64_t per = d.T * d.G;  // rows per KV head
+  auto row = [&](int64_t kh, int64_t i) { return (i / d.G) * d.N + kh * d.G + i % d.G; };  // r = t * N + n
+  for (int64_t kh = 0; kh < d.K; ++kh) {
+    const float* kk = kj + kh * d.H;
+    int64_t i = 0;
+    for (; i + 2 <= per; i += 2) {
+      const int64_t r0 = row(kh, i), r1 = row(kh, i + 1);
+      const float* q0 = q + (b * d.T * d.N + r0) * d.H;
+      const float* q1 = q + (b * d.T * d.N + r1) * d.H;
+      __m512 a[8];
+      for (int u = 0; u < 8; ++u) a[u] = _mm512_setzero_ps();
+      for (int64_t h = 0; h < d.H; h += 8) {
+        const __m512 x = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(q0 + h)), _mm256_loadu_ps(q1 + h), 1);
+        for (int u = 0; u < 8; ++u)
+          a[u] = _mm512_fmadd_ps(x, _mm512_broadcast_f32x8(_mm256_loadu_ps(kk + u * kstride + h)), a[u]);
+      }
+      __m256 lo[8], hi[8];
+      for (int u = 0; u < 8; ++u) lo[u] = _mm512_castps512_ps256(a[u]), hi[u] = _mm512_extractf32x8_ps(a[u], 1);
+      _mm256_storeu_ps(s + r0 * kChunk, lanes_sum8(lo));
+      _mm256_storeu_ps(s + r1 * kChunk, lanes_sum8(hi));
+    }
+    if (i < per) {
+      const int64_t r = row(kh, i);
+      const float* qv = q + (b * d.T * d.N + r) * d.H;
+      __m256 a[8];
+      for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
+      for (int64_t h = 0; h < d.H; h += 8) {
+        const __m256 x = _mm256_loadu_ps(qv + h);
+        for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(x, _mm256_loadu_ps(kk + u * kstride + h), a[u]);
+      }
+      _mm256_storeu_ps(s + r * kChunk, lanes_sum8(a));
+    }
+  }
+}
+#endif
+
 // Row b, slots [c * kChunk, ...): per softmax row r = (t, n), its max m, sum of exponentials l and weighted sum of
 // values acc [Hv] over the chunk's visible slots (m = -inf: none visible).
 void chunk_item(const Fused& d, const float* q, const float* k, const float* v, const bool* visible, int64_t b,
@@ -347,6 +390,15 @@ void chunk_item(const Fused& d, const float* q, const float* k, const float* v, 
       const char* vn = reinterpret_cast<const char*>(v0 + j * vstride);
       for (int64_t i = 0; i < 8 * kstride * 4; i += 64) _mm_prefetch(kn + i, _MM_HINT_T1);
       for (int64_t i = 0; i < 8 * vstride * 4; i += 64) _mm_prefetch(vn + i, _MM_HINT_T1);
+    }
+#endif
+#ifdef CLM_AVX512
+    // Two query rows per instruction (scores_kv_pairs): 1.5-4% faster a layer on Zen 5 (batch 8 from DRAM 253 ->
+    // 249 us, batch 1 32.2 -> 31.0, batch 8 in L2 243 -> 237), the same bits.
+    if (step == 8) {
+      scores_kv_pairs(d, q, k0 + j * kstride, kstride, b, scores + j);
+      j += step;
+      continue;
     }
 #endif
     for (int64_t t = 0; t < d.T; ++t)
