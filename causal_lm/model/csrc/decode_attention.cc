@@ -215,6 +215,17 @@ inline __m256 lanes_sum8(const __m256* a) {
   const __m256 z = _mm256_hadd_ps(y0, y1);  // [s0, s2, s4, s6 | s1, s3, s5, s7]
   return _mm256_permutevar8x32_ps(z, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
+
+// One query row's scores over eight slots (keys from kj, slot stride kstride), H % 8 == 0: s[u] = dot(qv, slot u).
+inline void scores_row8(const float* qv, const float* kj, int64_t kstride, int64_t H, float* s) {
+  __m256 a[8];
+  for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < H; i += 8) {
+    const __m256 x = _mm256_loadu_ps(qv + i);
+    for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(x, _mm256_loadu_ps(kj + u * kstride + i), a[u]);
+  }
+  _mm256_storeu_ps(s, lanes_sum8(a));
+}
 #endif
 
 #ifdef CLM_AVX2
@@ -325,14 +336,7 @@ inline void scores_kv_pairs(const Fused& d, const float* q, const float* kj, int
     }
     if (i < per) {
       const int64_t r = row(kh, i);
-      const float* qv = q + (b * d.T * d.N + r) * d.H;
-      __m256 a[8];
-      for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
-      for (int64_t h = 0; h < d.H; h += 8) {
-        const __m256 x = _mm256_loadu_ps(qv + h);
-        for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(x, _mm256_loadu_ps(kk + u * kstride + h), a[u]);
-      }
-      _mm256_storeu_ps(s + r * kChunk, lanes_sum8(a));
+      scores_row8(q + (b * d.T * d.N + r) * d.H, kk, kstride, d.H, s + r * kChunk);
     }
   }
 }
@@ -408,13 +412,7 @@ void chunk_item(const Fused& d, const float* q, const float* k, const float* v, 
         float* s = scores + (t * d.N + n) * kChunk + j;
 #ifdef CLM_AVX2
         if (step == 8) {
-          __m256 a[8];
-          for (int u = 0; u < 8; ++u) a[u] = _mm256_setzero_ps();
-          for (int64_t i = 0; i < d.H; i += 8) {
-            const __m256 x = _mm256_loadu_ps(qv + i);
-            for (int u = 0; u < 8; ++u) a[u] = _mm256_fmadd_ps(x, _mm256_loadu_ps(kj + u * kstride + i), a[u]);
-          }
-          _mm256_storeu_ps(s, lanes_sum8(a));
+          scores_row8(qv, kj, kstride, d.H, s);
           continue;
         }
 #endif
