@@ -1387,6 +1387,15 @@ MUTANTS = [
         why="the sink logit leaves the softmax's denominator (gpt-oss-style attention sinks silently off)",
     ),
     dict(
+        name="bench-decode-floor-at-the-runs-start",
+        file="causal_lm/bench/decode.py",
+        old='    row["bandwidth_floor_tokens_per_s"] = row["mem_bw_bytes_per_s"] / bpt',
+        new='    row["bandwidth_floor_tokens_per_s"] = machine["mem_bw_bytes_per_s"] / bpt',
+        tests=["tests/test_bench.py::test_each_decode_rows_floor_is_at_the_bandwidth_read_beside_it"],
+        why="each row's floor % is set against the bandwidth read at the start of a long run, on a machine whose "
+        "read speed moves within minutes (floor shares over 100% on a shared VM)",
+    ),
+    dict(
         name="llamacpp-peer-qk-unpermuted",
         file="causal_lm/bench/llamacpp.py",
         old='                a = permute_qk(a, c.num_heads if gname.endswith("attn_q.weight") else c.num_kv_heads)',

@@ -22,6 +22,7 @@ from causal_lm.bench.common import (
     model_summary,
     peer_status,
     ratio,
+    read_bandwidth,
     settle,
     timed,
 )
@@ -239,6 +240,7 @@ def bench_decode(
     first_call: bool = True,
     weights: Sequence[str] = ("float32",),
     gguf: str | None = None,
+    bandwidth_beside: bool | None = None,
 ) -> dict:
     """Decode throughput of `generate` with and without the KV cache, per (context, batch), and of the peer.
 
@@ -260,6 +262,9 @@ def bench_decode(
     `causal_lm.quantize`, default group sizes); each row's "weights", its "weight_bytes" (what the floor counts)
     and "ratio_vs_float32" (cached tokens/s against the float32 row of the same context and batch, same run).
     gguf: time a GGUF file's model with its Q8_0 / Q4_0 / Q4_1 weights kept quantized (no peer; weights ignored).
+    bandwidth_beside: measure the read bandwidth (`read_bandwidth`) just before and just after each row's cached
+    timing and set the row's floor at the faster of the two (its "mem_bw_bytes_per_s"), rather than at the
+    figure measured once at the start; default: when the machine is measured (no ceilings given).
     """
     weights = tuple(weights)
     for w in weights:
@@ -310,6 +315,9 @@ def bench_decode(
 
             hf_logging.set_verbosity_error()
     machine = ceilings or machine_ceilings(quick=quick)
+    if bandwidth_beside is None:  # measured when the machine is: given ceilings (the tests') spend no time on it
+        bandwidth_beside = ceilings is None
+    beside = functools.partial(read_bandwidth, quick=quick) if bandwidth_beside else None
     latency = None
     if first_call:  # before this process compiles anything, while the machine is as quiet as it will be
         shape = config if workdir is None else trained
@@ -348,6 +356,7 @@ def bench_decode(
                             nbytes(variant),
                             machine,
                             cache_dtype,
+                            beside,
                         )
                         base = [r for r in rows if r["weights"] == "float32" and r["context"] == context]
                         base = [r for r in base if r["batch"] == batch and r["cache_dtype"] == row["cache_dtype"]]
@@ -386,7 +395,7 @@ def bench_decode(
     }
 
 
-def _decode_row(model, m, peer_model, prompts, n, n_re, reps, weight_bytes, machine, cache_dtype) -> dict:
+def _decode_row(model, m, peer_model, prompts, n, n_re, reps, weight_bytes, machine, cache_dtype, beside=None) -> dict:
     batch, context = prompts.shape
     row = {
         "context": context,
@@ -396,7 +405,10 @@ def _decode_row(model, m, peer_model, prompts, n, n_re, reps, weight_bytes, mach
         "recompute_new_tokens": n_re,
     }
     cached = _ours_runner(model, prompts, True, cache_dtype=cache_dtype, **_same_program(n))
+    before = beside() if beside else None
     row["cached_tokens_per_s"] = batch * n / _decode_seconds(cached, n, reps)
+    # the floor at the read bandwidth of the row's own minutes: the faster of the reads just before and after it
+    row["mem_bw_bytes_per_s"] = max(before, beside()) if beside else machine["mem_bw_bytes_per_s"]
     first = _ours_runner(model, prompts, True, cache_dtype=cache_dtype)  # the smallest room for new tokens
     row["prefill_tokens_per_s"] = batch * context / _best(lambda: first(1), reps)
     row["recompute_tokens_per_s"] = None
@@ -405,7 +417,7 @@ def _decode_row(model, m, peer_model, prompts, n, n_re, reps, weight_bytes, mach
     row["cache_speedup"] = ratio(row["cached_tokens_per_s"], row["recompute_tokens_per_s"])
     bpt = decode_bytes_per_token(m, weight_bytes, context + 1 + n / 2, batch, cache_dtype)
     row["bytes_per_token"] = bpt
-    row["bandwidth_floor_tokens_per_s"] = machine["mem_bw_bytes_per_s"] / bpt
+    row["bandwidth_floor_tokens_per_s"] = row["mem_bw_bytes_per_s"] / bpt
     row["bandwidth_floor_fraction"] = row["cached_tokens_per_s"] / row["bandwidth_floor_tokens_per_s"]
     row["peer_cached_tokens_per_s"] = row["peer_recompute_tokens_per_s"] = row["peer_prefill_tokens_per_s"] = None
     if peer_model is not None:
@@ -432,12 +444,13 @@ def format_decode(r: dict) -> str:
         f"model: {m['num_layers']} layers, d_model {m['d_model']}, {m['attention']}, {m['dtype']}; weights "
         f"{r['weight_bytes'] / 2**20:,.1f} MiB, K/V {r['kv_bytes_per_token'] / 1024:,.1f} KiB per token; "
         f"peer: {peer}",
-        "tokens/s of generated tokens after the prompt (prefill excluded); floor = bandwidth floor; "
+        "tokens/s of generated tokens after the prompt (prefill excluded); floor = bandwidth floor (at the read "
+        "bandwidth measured beside each row); "
         "prefill = prompt tokens/s of the first call's prompt pass",
         "",
         f"{'context':>7s} {'batch':>5s} {'weights':>7s} {'cache':>8s} {'cached':>9s} {'x f32':>6s} "
         f"{'recompute':>10s} {'cache x':>8s} "
-        f"{'MB/token':>9s} {'floor %':>8s} {'prefill':>9s} {'peer cached':>12s} {'peer recomp':>12s} "
+        f"{'MB/token':>9s} {'floor %':>8s} {'at GB/s':>8s} {'prefill':>9s} {'peer cached':>12s} {'peer recomp':>12s} "
         f"{'peer prefill':>13s} {'cached/peer':>12s} {'recomp/peer':>12s} {'prefill/peer':>13s}",
     ]
     miss = "-" if r["peer_status"] == "ok" else "n/a"
@@ -447,6 +460,7 @@ def format_decode(r: dict) -> str:
             f"{w['cached_tokens_per_s']:>9,.1f} {fmt(w.get('ratio_vs_float32'), '.2f'):>6s} "
             f"{fmt(w['recompute_tokens_per_s'], ',.1f'):>10s} {fmt(w['cache_speedup'], ',.1f'):>7s}x "
             f"{w['bytes_per_token'] / 1e6:>9.2f} {w['bandwidth_floor_fraction'] * 100:>7.0f}% "
+            f"{w.get('mem_bw_bytes_per_s', r['machine']['mem_bw_bytes_per_s']) / 1e9:>8.1f} "
             f"{w['prefill_tokens_per_s']:>9,.0f} {fmt(w['peer_cached_tokens_per_s'], ',.1f', miss):>12s} "
             f"{fmt(w['peer_recompute_tokens_per_s'], ',.1f', miss):>12s} "
             f"{fmt(w['peer_prefill_tokens_per_s'], ',.0f', miss):>13s} "
