@@ -1171,8 +1171,8 @@ MUTANTS = [
     dict(
         name="matvec-wide-lanes-not-folded",
         file="causal_lm/model/csrc/matvec.cc",
-        old="      for (int j = 0; j < 8; ++j) l[j] += l[j + 8];\n",
-        new="",
+        old="s[b] = lanes_sum8(fold16(acc[r][b]));",
+        new="s[b] = lanes_sum8(_mm512_castps512_ps256(acc[r][b]));",
         tests=["tests/test_matvec.py::test_quantized_kernels_equal_the_dequantized_float_product[64-70-int8]"],
         cpu="avx512f",
         why="the 16-lane int8/int4 path sums only its lanes 0..7: half of each output's inputs are dropped",
@@ -1204,6 +1204,24 @@ MUTANTS = [
         cpu="avx512f",
         why="the 16-lane int4 path looks the high nibbles up by the byte's low 4 bits: every weight of the group's "
         "second half is its first half's",
+    ),
+    dict(
+        name="matvec-lanes-summed-in-another-order",
+        file="causal_lm/model/csrc/matvec.cc",
+        old="const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));",
+        new="const __m128 a = _mm_hadd_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));",
+        tests=["tests/test_matvec.py::test_float32_and_int8_products_sum_in_the_documented_order[64-70-float32]"],
+        why="each output's 8 lanes are added in pairs (l0 + l1, ...) instead of the documented (l0 + l4, ...): the "
+        "same terms, so the product stays close to the exact one, but not the order the kernel promises",
+    ),
+    dict(
+        name="matvec-float32-not-in-16-lanes",
+        file="causal_lm/model/csrc/matvec.cc",
+        old="if ((P.format != kI4 && P.g % 16 == 0) ||",
+        new="if ((P.format == kI8 && P.g % 16 == 0) ||",
+        tests=["tests/test_matvec.py::test_float32_and_int8_products_sum_in_the_documented_order[64-70-float32]"],
+        cpu="avx512f",
+        why="float32 products stay on the 8-lane path on a CPU with AVX-512 (slower there; not the documented order)",
     ),
     dict(
         name="native-extra-flags-ignored",

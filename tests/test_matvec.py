@@ -96,6 +96,67 @@ def _quantized_case(K, N, fmt):
     return x, qa, x.astype(np.float64) @ np.asarray(qa.dequantize(), np.float64)
 
 
+def _float32_case(K, N):
+    """(x [16, K], the out-major weight [N, K]) of one float32 case."""
+    rng = np.random.default_rng(2)
+    return rng.standard_normal((16, K)).astype(np.float32), rng.standard_normal((N, K)).astype(np.float32)
+
+
+def _documented_order(x, w, scale, g, lanes):
+    """[R, N] float32: the sums in the order csrc/matvec.cc documents, for float32 (scale None) and int8 weights
+    (w: the int8 values as floats, scale [N, G]): per group, lane l a fused multiply-add chain over the inputs
+    i = l (mod lanes); per group acc = fma(part, scale, acc); 16 lanes folded to 8, l[j] + l[j + 8]; then
+    ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)). A fused multiply-add is emulated in float64 (the product of
+    two float32 values is exact there) with one rounding to float32: a double rounding would need a tie at float32's
+    precision, which these random operands do not meet."""
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    R, K = x.shape
+    acc = np.zeros((R, w.shape[0], lanes), np.float32)
+    for G in range(K // g):
+        part = np.zeros_like(acc)
+        for i in range(g):
+            k, lane = G * g + i, i % lanes
+            part[:, :, lane] = (x64[:, k, None] * w64[None, :, k] + part[:, :, lane]).astype(np.float32)
+        if scale is None:
+            acc = part
+        else:
+            sc = scale[None, :, G, None].astype(np.float64)
+            acc = (part.astype(np.float64) * sc + acc).astype(np.float32)
+    if lanes == 16:
+        acc = acc[..., :8] + acc[..., 8:]
+    a = [acc[..., j] for j in range(8)]
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
+
+
+def _lanes(K, g, wide: bool) -> int:
+    """How many lanes the kernels take for float32 / int8 weights of K inputs in groups of g."""
+    return 16 if wide and g % 16 == 0 else 8
+
+
+ORDER_CASES = [(64, 70, "float32"), (37, 131, "float32"), (64, 70, "int8"), (64, 70, "int8-g16"), (64, 70, "int8-g8")]
+
+
+def _order_case(K, N, fmt):
+    """(x, the kernel's product, the documented order's product at `wide` or not) of one ORDER_CASES case."""
+    if fmt == "float32":
+        x, w = _float32_case(K, N)
+        return x, np.asarray(_f32(x, jnp.asarray(w))), lambda wide: _documented_order(x, w, None, K, _lanes(K, K, wide))
+    x, qa, _ = _quantized_case(K, N, fmt)
+    g = FORMATS[fmt][1] or K
+    q, scale = np.asarray(qa.data, np.float32), np.asarray(qa.scale, np.float32)
+    y = np.asarray(_quant(x, qa.data, qa.scale, qa.minimum))
+    return x, y, lambda wide: _documented_order(x, q, scale, g, _lanes(K, g, wide))
+
+
+@pytest.mark.parametrize("K,N,fmt", ORDER_CASES)
+def test_float32_and_int8_products_sum_in_the_documented_order(K, N, fmt):
+    """Bit for bit the order of the sums csrc/matvec.cc documents (16 lanes on a CPU with AVX-512 where the group
+    is a multiple of 16 inputs, else 8; the scalar path for 37 inputs), for 16 rows: the lanes' chains, the per-group
+    scales, the fold of 16 lanes and the last sum of 8 are each pinned, not only close to the exact product."""
+    _, y, documented = _order_case(K, N, fmt)
+    np.testing.assert_array_equal(y, documented("avx512f" in _cpu_flags()))
+
+
 _AVX2_BUILD = """
 import sys, numpy as np
 sys.path.insert(0, sys.argv[1])
@@ -107,6 +168,8 @@ for K, N, fmt in t.QUANT_CASES:
     x, qa, _ = t._quantized_case(K, N, fmt)
     for rows in (1, 3, 16):
         out[f"{K}-{N}-{fmt}-{rows}"] = np.asarray(t._quant(x[:rows], qa.data, qa.scale, qa.minimum))
+for K, N, fmt in t.ORDER_CASES:
+    out[f"order-{K}-{N}-{fmt}"] = t._order_case(K, N, fmt)[1]
 np.savez(sys.argv[2], **out)
 """
 
@@ -121,10 +184,10 @@ def _cpu_flags() -> set:
 
 @pytest.mark.skipif("avx512f" not in _cpu_flags(), reason="without AVX-512 the tests above run the AVX2 path")
 def test_the_avx2_build_on_a_cpu_with_avx512(tmp_path):
-    """On a CPU with AVX-512 the int8 and int4-g32 cases above take the 16-lane path; the kernels built without it
-    (`CAUSAL_LM_NATIVE_FLAGS=-mno-avx512f`, in a subprocess) run the 8-lane AVX2 path on the same cases: equal to the
-    dequantized float product, batch invariant, and a different order of the sums where the paths differ (so the
-    subprocess did run the other build)."""
+    """On a CPU with AVX-512 the float32, int8 and int4-g32 cases above take the 16-lane path; the kernels built
+    without it (`CAUSAL_LM_NATIVE_FLAGS=-mno-avx512f`, in a subprocess) run the 8-lane AVX2 path on the same cases:
+    equal to the dequantized float product, batch invariant, a different order of the sums where the paths differ
+    (so the subprocess did run the other build), and for float32 and int8 the documented 8-lane order bit for bit."""
     env = dict(os.environ, **{native.FLAGS_ENV: "-mno-avx512f"})
     out = tmp_path / "avx2.npz"
     here = os.path.dirname(os.path.abspath(__file__))
@@ -140,6 +203,8 @@ def test_the_avx2_build_on_a_cpu_with_avx512(tmp_path):
             np.testing.assert_array_equal(y, got[f"{K}-{N}-{fmt}-16"][:rows])
         differ += not np.array_equal(got[f"{K}-{N}-{fmt}-16"], np.asarray(_quant(x, qa.data, qa.scale, qa.minimum)))
     assert differ >= 3, "the AVX2 build gave the 16-lane path's bits: it was not the AVX2 build"
+    for K, N, fmt in ORDER_CASES:  # the AVX2 build's float32 and int8 sums: the documented 8-lane order
+        np.testing.assert_array_equal(got[f"order-{K}-{N}-{fmt}"], _order_case(K, N, fmt)[2](False))
 
 
 def _step_texts(model):

@@ -19,11 +19,12 @@
 // acc[l]) (float32: one group, acc = part); y = ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)); int4 adds, per
 // group in order, y = fma(sum_G x, offset[n, G], y), offset = -8 * scale or the minimum (sum_G x: the group's inputs
 // added in order). The AVX2 path (groups that are whole vectors) and the scalar path do exactly these operations.
-// On a CPU with AVX-512 (the kernels are compiled for the machine they run on), int8 groups of a multiple of 16
-// inputs and int4 groups of 32 take 16 lanes instead: lane l chains over the group's inputs i = l (mod 16), the
-// lanes then fold to 8, l[j] + l[j + 8], and the sum goes on as above. One widening and one conversion serve 16
-// weights instead of 8, which is what these products are bound by (docs/performance.md). Which order a product takes
-// depends on the machine and the weight's group size only, never on the rows.
+// On a CPU with AVX-512 (the kernels are compiled for the machine they run on), float32 weights of a multiple of 16
+// inputs, int8 groups of a multiple of 16 inputs and int4 groups of 32 take 16 lanes instead: lane l chains over the
+// group's inputs i = l (mod 16), the lanes then fold to 8, l[j] + l[j + 8], and the sum goes on as above. One
+// widening and one conversion serve 16 weights instead of 8, which is what the quantized products are bound by, and
+// float32 streams its weights faster in 16 lanes (docs/performance.md). Which order a product takes depends on the
+// machine and the weight's group size only, never on the rows.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -116,6 +117,15 @@ inline void add_offsets(const Problem& P, int64_t r, int64_t n0, float* s) {
 // ahead reaches 22 per core, 40 GB/s with both (a plain sum over the same bytes: 30-32).
 constexpr int64_t kAhead = 32768;
 inline void ahead(const void* p) { _mm_prefetch(static_cast<const char*>(p) + kAhead, _MM_HINT_T1); }
+
+// lanes_sum of the 8 lanes of v, in registers: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)). Storing the vector
+// and adding its lanes back from memory (this kernel's form before) waited on the store at every output: one core's
+// float32 products of the 135M shape, Zen 5, 27 -> 30 GB/s.
+inline float lanes_sum8(__m256 v) {
+  const __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));  // l[j] + l[j + 4]
+  const __m128 b = _mm_add_ps(a, _mm_movehl_ps(a, a));  // (l0 + l4) + (l2 + l6), (l1 + l5) + (l3 + l7)
+  return _mm_cvtss_f32(_mm_add_ss(b, _mm_movehdup_ps(b)));
+}
 
 inline __m256 widen8(const int8_t* q) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
@@ -228,13 +238,9 @@ void vector_rows(const Problem& P, int64_t r0, int64_t n0) {
       }
     }
   }
-  alignas(32) float l[8];
   for (int r = 0; r < RB; ++r) {
     float s[NB];
-    for (int b = 0; b < NB; ++b) {
-      _mm256_store_ps(l, acc[r][b]);
-      s[b] = lanes_sum(l);
-    }
+    for (int b = 0; b < NB; ++b) s[b] = lanes_sum8(acc[r][b]);
     if (P.format == kI4) add_offsets<NB>(P, r0 + r, n0, s);
     for (int b = 0; b < NB; ++b) P.y[(r0 + r) * P.N + n0 + b] = s[b];
   }
@@ -242,7 +248,12 @@ void vector_rows(const Problem& P, int64_t r0, int64_t n0) {
 #endif
 
 #ifdef CLM_AVX512
-// Rows r0..r0+RB of outputs n0..n0+NB in 16 lanes: int8 with g % 16 == 0, int4 with g == 32.
+// The 16 lanes of v folded to 8: l[j] + l[j + 8].
+inline __m256 fold16(__m512 v) {
+  return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+// Rows r0..r0+RB of outputs n0..n0+NB in 16 lanes: float32 and int8 with g % 16 == 0, int4 with g == 32.
 template <int RB, int NB>
 void wide_rows(const Problem& P, int64_t r0, int64_t n0) {
   const int64_t K = P.K, g = P.g;
@@ -254,7 +265,18 @@ void wide_rows(const Problem& P, int64_t r0, int64_t n0) {
     const int64_t k0 = G * g;
     for (int r = 0; r < RB; ++r)
       for (int b = 0; b < NB; ++b) part[r][b] = _mm512_setzero_ps();
-    if (P.format == kI8) {
+    if (P.format == kF32) {
+      const float* w = static_cast<const float*>(P.w) + n0 * K + k0;
+      for (int64_t i = 0; i < g; i += 16) {
+        for (int b = 0; b < NB; ++b) ahead(w + b * K + i);
+        __m512 wv[NB];
+        for (int b = 0; b < NB; ++b) wv[b] = _mm512_loadu_ps(w + b * K + i);
+        for (int r = 0; r < RB; ++r) {
+          const __m512 xv = _mm512_loadu_ps(x + r * K + k0 + i);
+          for (int b = 0; b < NB; ++b) part[r][b] = _mm512_fmadd_ps(xv, wv[b], part[r][b]);
+        }
+      }
+    } else if (P.format == kI8) {
       const int8_t* q = static_cast<const int8_t*>(P.w) + n0 * K + k0;
       for (int64_t i = 0; i < g; i += 16) {
         if (i % 64 == 0)
@@ -293,19 +315,19 @@ void wide_rows(const Problem& P, int64_t r0, int64_t n0) {
         }
       }
     }
-    for (int b = 0; b < NB; ++b) {
-      const __m512 sc = _mm512_set1_ps(P.scale[(n0 + b) * P.G + G]);
-      for (int r = 0; r < RB; ++r) acc[r][b] = _mm512_fmadd_ps(part[r][b], sc, acc[r][b]);
+    if (P.format == kF32) {
+      for (int r = 0; r < RB; ++r)
+        for (int b = 0; b < NB; ++b) acc[r][b] = part[r][b];
+    } else {
+      for (int b = 0; b < NB; ++b) {
+        const __m512 sc = _mm512_set1_ps(P.scale[(n0 + b) * P.G + G]);
+        for (int r = 0; r < RB; ++r) acc[r][b] = _mm512_fmadd_ps(part[r][b], sc, acc[r][b]);
+      }
     }
   }
-  alignas(64) float l[16];
   for (int r = 0; r < RB; ++r) {
     float s[NB];
-    for (int b = 0; b < NB; ++b) {
-      _mm512_store_ps(l, acc[r][b]);
-      for (int j = 0; j < 8; ++j) l[j] += l[j + 8];
-      s[b] = lanes_sum(l);
-    }
+    for (int b = 0; b < NB; ++b) s[b] = lanes_sum8(fold16(acc[r][b]));
     if (P.format == kI4) add_offsets<NB>(P, r0 + r, n0, s);
     for (int b = 0; b < NB; ++b) P.y[(r0 + r) * P.N + n0 + b] = s[b];
   }
@@ -316,7 +338,7 @@ void wide_rows(const Problem& P, int64_t r0, int64_t n0) {
 template <int RB, int NB>
 inline void rows(const Problem& P, int64_t r0, int64_t n0) {
 #ifdef CLM_AVX512
-  if ((P.format == kI8 && P.g % 16 == 0) || (P.format == kI4 && P.g == 32)) return wide_rows<RB, NB>(P, r0, n0);
+  if ((P.format != kI4 && P.g % 16 == 0) || (P.format == kI4 && P.g == 32)) return wide_rows<RB, NB>(P, r0, n0);
 #endif
 #ifdef CLM_AVX2
   const bool whole = P.format == kI4 ? (P.g / 2) % 8 == 0 : P.g % 8 == 0;
