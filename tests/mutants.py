@@ -1414,6 +1414,22 @@ MUTANTS = [
         "read speed moves within minutes (floor shares over 100% on a shared VM)",
     ),
     dict(
+        name="bench-decode-retimed-rate-the-faster",
+        file="causal_lm/bench/decode.py",
+        old="    s = max(s, again(2 * reps))",
+        new="    s = min(s, again(2 * reps))",
+        tests=["tests/test_bench.py::test_a_decode_rate_above_the_floor_is_timed_again_and_marked"],
+        why="a rate above the bandwidth floor, timed again, keeps the faster of the two timings: the artifact stays",
+    ),
+    dict(
+        name="bench-decode-rate-above-the-floor-not-marked",
+        file="causal_lm/bench/decode.py",
+        old="    implausible = s * IMPLAUSIBLE_FLOOR < floor_seconds",
+        new="    implausible = False",
+        tests=["tests/test_bench.py::test_a_decode_rate_above_the_floor_is_timed_again_and_marked"],
+        why="a row still above the floor after a second timing is printed as a figure like any other",
+    ),
+    dict(
         name="llamacpp-peer-qk-unpermuted",
         file="causal_lm/bench/llamacpp.py",
         old='                a = permute_qk(a, c.num_heads if gname.endswith("attn_q.weight") else c.num_kv_heads)',

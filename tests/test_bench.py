@@ -267,3 +267,39 @@ def test_bench_serve_keys_and_token_counts(capsys):
     assert 0 < e["pages_peak"] <= e["pages_total"] and e["prefix_hit_pages"] >= 0
     assert set(r["ratios"]) == {"engine_vs_generate_x1", "engine_vs_generate_x8"}
     assert r["workload"]["poisson_rate_per_s"] == 50
+
+
+def test_a_decode_rate_above_the_floor_is_timed_again_and_marked():
+    """t(1 + n) - t(1) with a t(1) slowed by a burst of load comes out too small: a rate above the bandwidth floor
+    (impossible) is timed again with twice the reps, the slower of the two counts, and one still above is marked."""
+    from causal_lm.bench.decode import above_the_floor
+    from causal_lm.train import Note
+
+    asked = []
+
+    def again(k, took=2.0):
+        asked.append(k)
+        return took
+
+    assert above_the_floor(1.0, again, 3, floor_seconds=1.0, what="x") == (1.0, False, False)  # at the floor
+    assert asked == []
+    assert above_the_floor(0.5, again, 3, floor_seconds=1.0, what="x") == (2.0, True, False)  # the slower counts
+    assert asked == [6]
+    with pytest.warns(Note, match="timing artifact"):
+        assert above_the_floor(0.5, lambda k: 0.4, 3, floor_seconds=1.0, what="x") == (0.5, True, True)
+    # through bench decode: a floor far above any rate (1 KB/s) marks the row, and the table says so
+    with pytest.warns(Note, match="timing artifact"):
+        r = bench.bench_decode(
+            TINY, contexts=(8,), batches=(1,), new_tokens=2, recompute_new_tokens=0, reps=1,
+            ceilings={**CEILINGS, "mem_bw_bytes_per_s": 1e3}, compare_loops=False, first_call=False, peer=False,
+        )  # fmt: skip
+    (w,) = r["rows"]
+    assert w["retimed"] and w["implausible"] and w["bandwidth_floor_fraction"] > 1.1
+    table = bench.format_decode(r)
+    assert "%!" in table and "timing artifact" in table
+    r = bench.bench_decode(
+        TINY, contexts=(8,), batches=(1,), new_tokens=2, recompute_new_tokens=0, reps=1, ceilings=CEILINGS,
+        compare_loops=False, first_call=False, peer=False,
+    )  # fmt: skip
+    assert not r["rows"][0]["retimed"] and not r["rows"][0]["implausible"]
+    assert "%!" not in bench.format_decode(r)

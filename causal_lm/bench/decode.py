@@ -95,6 +95,33 @@ def _steps_seconds(t_one: float, t_all: float, n: int) -> float:
     return t_all * n / (1 + n)
 
 
+IMPLAUSIBLE_FLOOR = 1.10  # a decode rate this far above its bandwidth floor is a timing artifact, not the machine
+
+
+def above_the_floor(
+    seconds: float, again: Callable[[int], float], reps: int, floor_seconds: float, what: str
+) -> tuple[float, bool, bool]:
+    """(seconds, retimed, implausible) for n decode steps that took `seconds`, timed as t(1 + n) - t(1) with `reps`
+    reps. A t(1) slowed in every rep by a burst of load makes that difference too small: on a shared VM a row once
+    read 133% of the bandwidth floor. When the steps beat `floor_seconds` (the same steps reading their bytes at the
+    measured bandwidth) by more than IMPLAUSIBLE_FLOOR, they are timed again, again(2 * reps), and the slower of the
+    two counts (a burst can only make the difference smaller); still above, the figure is kept, marked implausible,
+    and a note says so."""
+    s = seconds
+    if floor_seconds <= 0 or s * IMPLAUSIBLE_FLOOR >= floor_seconds:
+        return s, False, False
+    s = max(s, again(2 * reps))
+    implausible = s * IMPLAUSIBLE_FLOOR < floor_seconds
+    if implausible:
+        warnings.warn(
+            f"{what}: {floor_seconds / s:.0%} of the bandwidth floor even when timed again: a timing artifact of a "
+            "busy machine (t(1) slower than in the longer call); rerun, or time more new tokens",
+            Note,
+            stacklevel=2,
+        )
+    return s, True, implausible
+
+
 def _ours_runner(model, prompts: np.ndarray, use_cache: bool, **kw):
     rows = prompts.tolist()
 
@@ -406,16 +433,24 @@ def _decode_row(model, m, peer_model, prompts, n, n_re, reps, weight_bytes, mach
     }
     cached = _ours_runner(model, prompts, True, cache_dtype=cache_dtype, **_same_program(n))
     before = beside() if beside else None
-    row["cached_tokens_per_s"] = batch * n / _decode_seconds(cached, n, reps)
+    steps_s = _decode_seconds(cached, n, reps)
     # the floor at the read bandwidth of the row's own minutes: the faster of the reads just before and after it
     row["mem_bw_bytes_per_s"] = max(before, beside()) if beside else machine["mem_bw_bytes_per_s"]
+    bpt = decode_bytes_per_token(m, weight_bytes, context + 1 + n / 2, batch, cache_dtype)
+    steps_s, row["retimed"], row["implausible"] = above_the_floor(
+        steps_s,
+        lambda k: _decode_seconds(cached, n, k),
+        reps,
+        batch * n * bpt / row["mem_bw_bytes_per_s"],
+        f"context {context}, batch {batch}, {row['cache_dtype']} cache",
+    )
+    row["cached_tokens_per_s"] = batch * n / steps_s
     first = _ours_runner(model, prompts, True, cache_dtype=cache_dtype)  # the smallest room for new tokens
     row["prefill_tokens_per_s"] = batch * context / _best(lambda: first(1), reps)
     row["recompute_tokens_per_s"] = None
     if cache_dtype is None and n_re:  # recomputing is independent of how a cache would store K/V
         row["recompute_tokens_per_s"] = batch * n_re / _decode_seconds(_ours_runner(model, prompts, False), n_re, reps)
     row["cache_speedup"] = ratio(row["cached_tokens_per_s"], row["recompute_tokens_per_s"])
-    bpt = decode_bytes_per_token(m, weight_bytes, context + 1 + n / 2, batch, cache_dtype)
     row["bytes_per_token"] = bpt
     row["bandwidth_floor_tokens_per_s"] = row["mem_bw_bytes_per_s"] / bpt
     row["bandwidth_floor_fraction"] = row["cached_tokens_per_s"] / row["bandwidth_floor_tokens_per_s"]
@@ -459,7 +494,8 @@ def format_decode(r: dict) -> str:
             f"{w['context']:>7d} {w['batch']:>5d} {w.get('weights', 'float32'):>7s} {w['cache_dtype']:>8s} "
             f"{w['cached_tokens_per_s']:>9,.1f} {fmt(w.get('ratio_vs_float32'), '.2f'):>6s} "
             f"{fmt(w['recompute_tokens_per_s'], ',.1f'):>10s} {fmt(w['cache_speedup'], ',.1f'):>7s}x "
-            f"{w['bytes_per_token'] / 1e6:>9.2f} {w['bandwidth_floor_fraction'] * 100:>7.0f}% "
+            f"{w['bytes_per_token'] / 1e6:>9.2f} "
+            f"{format(w['bandwidth_floor_fraction'], '.0%') + ('!' if w.get('implausible') else ''):>8s} "
             f"{w.get('mem_bw_bytes_per_s', r['machine']['mem_bw_bytes_per_s']) / 1e9:>8.1f} "
             f"{w['prefill_tokens_per_s']:>9,.0f} {fmt(w['peer_cached_tokens_per_s'], ',.1f', miss):>12s} "
             f"{fmt(w['peer_recompute_tokens_per_s'], ',.1f', miss):>12s} "
@@ -467,6 +503,8 @@ def format_decode(r: dict) -> str:
             f"{fmt(w['cached_ratio_vs_peer'], '.2f', miss):>12s} "
             f"{fmt(w['recompute_ratio_vs_peer'], '.2f', miss):>12s} {fmt(w['prefill_ratio_vs_peer'], '.2f', miss):>13s}"
         )
+    if any(w.get("implausible") for w in r["rows"]):
+        lines.append(f"!: above {IMPLAUSIBLE_FLOOR:.0%} of the floor even when timed again: a timing artifact; rerun")
     sp = r.get("speculative")
     if sp:
         lines += [
