@@ -1430,6 +1430,14 @@ MUTANTS = [
         why="a row still above the floor after a second timing is printed as a figure like any other",
     ),
     dict(
+        name="llamacpp-peer-rate-above-the-floor-kept",
+        file="causal_lm/bench/llamacpp.py",
+        old="peer_s, peer_retimed, peer_odd = above_the_floor(peer_s, peer_again,",
+        new="peer_retimed, peer_odd = False, False\n        (peer_s, peer_again,",
+        tests=["tests/test_llamacpp.py::test_bench_llamacpp_times_again_a_rate_above_the_floor_on_both_sides"],
+        why="bench llama-cpp checks only our side against the floor: a llama.cpp rate above it is printed as is",
+    ),
+    dict(
         name="llamacpp-peer-qk-unpermuted",
         file="causal_lm/bench/llamacpp.py",
         old='                a = permute_qk(a, c.num_heads if gname.endswith("attn_q.weight") else c.num_kv_heads)',

@@ -98,3 +98,25 @@ def test_without_the_wheel_the_error_says_how_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama" else real(name, *a))
     with pytest.raises(llamacpp.LlamaCppError, match="pip install --no-deps llama-cpp-cffi"):
         llamacpp.library()
+
+
+def test_bench_llamacpp_times_again_a_rate_above_the_floor_on_both_sides(monkeypatch):
+    """`bench llama-cpp` end to end on a tiny model: with the reads saying 1 KB/s, every rate is above its floor, so
+    both engines are timed again (llama.cpp in a fresh context) and the row is marked on both sides."""
+    _peer_or_skip()
+    from causal_lm.bench import common
+    from causal_lm.config import Config, TrainConfig
+    from causal_lm.train import Note
+
+    monkeypatch.setattr(common, "SETTLE_SECONDS", 0.0)
+    monkeypatch.setattr(llamacpp, "read_bandwidth", lambda quick=False: 1e3)
+    monkeypatch.setattr(llamacpp, "machine_ceilings", lambda quick=False: {"mem_bw_bytes_per_s": 1e3})
+    model = tiny_config("gqa", d_model=64, num_heads=4, mlp_dim=128, vocab_size=320, max_seq_len=64)
+    config = Config(model=model, train=TrainConfig(seq_len=16))
+    with pytest.warns(Note, match="timing artifact"):
+        r = llamacpp.bench_llamacpp(config, types=("F32",), context=8, new_tokens=4, reps=1, threads=2)
+    (w,) = r["rows"]
+    assert w["retimed"] and w["ours_implausible"] and w["llama_cpp_implausible"]
+    assert w["greedy_equal"] == w["new_tokens"] == 5
+    table = llamacpp.format_llamacpp(r)
+    assert table.count("%!") == 2 and "timing artifact" in table
