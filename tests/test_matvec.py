@@ -62,6 +62,38 @@ def test_float32_kernel_equals_xla_and_is_batch_invariant(K, N):
         np.testing.assert_array_equal(y, ys[16][:rows])  # bitwise: the same sum order at any row count
 
 
+TILED = [(48, 36), (1536, 8)]  # K, N that tile (4 | N, 16 | K): a few tiles; one block of 8 outputs, 96 tiles deep
+
+
+@pytest.mark.parametrize("K,N", TILED)
+def test_tiled_float32_weights_give_the_untiled_bits(K, N):
+    """The decode form stores a float32 weight in tiles of 4 outputs x 16 inputs (`matvec.tile`) where they divide
+    it: the kernel's product over the tiles is the product over [N, K] bit for bit, at every row count (whole tiles
+    of 4 rows x 4 outputs, and the rows left over), and the XLA form of a tiled OutMajor (more rows than the kernels
+    take) and its gradient through the kernel's custom_vjp equal XLA's."""
+    x, w = _float32_case(K, N)
+    x = np.concatenate([x, x[::-1] * 0.5])  # 32 rows
+    tiled = matvec.tile(jnp.asarray(w))
+    assert tiled.shape == (N // 4, K // 16, 4, 16)
+    np.testing.assert_array_equal(np.asarray(matvec.untile(tiled)), w)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 13, 16):
+        np.testing.assert_array_equal(np.asarray(_f32(x[:rows], tiled)), np.asarray(_f32(x[:rows], jnp.asarray(w))))
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    o = matvec.out_major(jnp.asarray(w.T), 1)
+    assert o.t.ndim == 4
+    y = np.asarray(jax.jit(lambda x: o.matmul(x, 1))(x))  # 32 rows: XLA's product over the tiles
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    gx, gw = jax.jit(jax.grad(lambda x, t: jnp.sum(jnp.sin(matvec.matvec_f32(x, t))), argnums=(0, 1)))(x[:3], tiled)
+    rx, rw = jax.grad(lambda x, w: jnp.sum(jnp.sin(x @ w.T)), argnums=(0, 1))(x[:3], jnp.asarray(w))
+    np.testing.assert_allclose(gx, rx, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(matvec.untile(gw), rw, rtol=1e-4, atol=1e-4)
+
+
+def test_weights_that_do_not_tile_stay_output_major():
+    for K, N in SHAPES + [(48, 30), (40, 36)]:
+        assert matvec.out_major(jnp.zeros((K, N)), 1).t.shape == (N, K)
+
+
 QUANT_CASES = [  # the formats whose groups fit each shape (int4 needs even groups that divide K)
     (K, N, fmt)
     for K, N in SHAPES
@@ -133,14 +165,22 @@ def _lanes(K, g, wide: bool) -> int:
     return 16 if wide and g % 16 == 0 else 8
 
 
-ORDER_CASES = [(64, 70, "float32"), (37, 131, "float32"), (64, 70, "int8"), (64, 70, "int8-g16"), (64, 70, "int8-g8")]
+ORDER_CASES = [
+    (64, 70, "float32"),
+    (37, 131, "float32"),
+    (48, 36, "float32-tiled"),
+    (64, 70, "int8"),
+    (64, 70, "int8-g16"),
+    (64, 70, "int8-g8"),
+]
 
 
 def _order_case(K, N, fmt):
     """(x, the kernel's product, the documented order's product at `wide` or not) of one ORDER_CASES case."""
-    if fmt == "float32":
+    if fmt.startswith("float32"):
         x, w = _float32_case(K, N)
-        return x, np.asarray(_f32(x, jnp.asarray(w))), lambda wide: _documented_order(x, w, None, K, _lanes(K, K, wide))
+        stored = matvec.tile(jnp.asarray(w)) if fmt == "float32-tiled" else jnp.asarray(w)
+        return x, np.asarray(_f32(x, stored)), lambda wide: _documented_order(x, w, None, K, _lanes(K, K, wide))
     x, qa, _ = _quantized_case(K, N, fmt)
     g = FORMATS[fmt][1] or K
     q, scale = np.asarray(qa.data, np.float32), np.asarray(qa.scale, np.float32)
@@ -170,6 +210,11 @@ for K, N, fmt in t.QUANT_CASES:
         out[f"{K}-{N}-{fmt}-{rows}"] = np.asarray(t._quant(x[:rows], qa.data, qa.scale, qa.minimum))
 for K, N, fmt in t.ORDER_CASES:
     out[f"order-{K}-{N}-{fmt}"] = t._order_case(K, N, fmt)[1]
+for K, N in t.TILED:
+    x, w = t._float32_case(K, N)
+    for rows in (1, 3, 4, 6, 8, 16):
+        out[f"tiled-{K}-{N}-{rows}"] = np.asarray(t._f32(x[:rows], matvec.tile(w)))
+        out[f"rows-{K}-{N}-{rows}"] = np.asarray(t._f32(x[:rows], w))
 np.savez(sys.argv[2], **out)
 """
 
@@ -205,6 +250,9 @@ def test_the_avx2_build_on_a_cpu_with_avx512(tmp_path):
     assert differ >= 3, "the AVX2 build gave the 16-lane path's bits: it was not the AVX2 build"
     for K, N, fmt in ORDER_CASES:  # the AVX2 build's float32 and int8 sums: the documented 8-lane order
         np.testing.assert_array_equal(got[f"order-{K}-{N}-{fmt}"], _order_case(K, N, fmt)[2](False))
+    for K, N in TILED:  # its tiles (4 rows x 2 outputs twice): the bits of [N, K]
+        for rows in (1, 3, 4, 6, 8, 16):
+            np.testing.assert_array_equal(got[f"tiled-{K}-{N}-{rows}"], got[f"rows-{K}-{N}-{rows}"])
 
 
 def _step_texts(model):
@@ -241,12 +289,14 @@ def test_the_decode_step_reads_int8_and_int4_weights_through_the_kernels():
     """Every projection (and the head) of a quantized model's decode step is a kernel call whose weight operand is
     the stored int8 / uint8 array (bytes: 1 or 1/2 per weight), and the compiled step holds no float array as large
     as a weight: nothing dequantizes a weight up front. The float model's step, for contrast, has float weights of
-    that size (so the check can fail)."""
+    that size (so the check can fail), each in the kernels' tiles."""
     config = tiny_config("gqa", d_model=128, num_heads=4, mlp_dim=512, vocab_size=512, max_seq_len=16)
     model = build_model(config)
     biggest = 128 * 512  # the MLP's weights and the head
     text, hlo = _step_texts(model)
     assert {t for t, _ in _kernel_weights(text)} == {"causal_lm_matvec_f32"}
+    # every float weight, the tied head too, in the kernels' tiles [N/4, K/16, 4, 16] (the shapes tile)
+    assert [op.split("x")[-3:-1] for _, op in _kernel_weights(text)] == [["4", "16"]] * (2 * 4 + 1), text
     assert _largest_f32(hlo) >= biggest
     for fmt, dtype, per_weight in (("int8", "i8", 1), ("int4", "ui8", 0.5)):
         qmodel = quantize(model, fmt, group_size=None if fmt == "int8" else 32)

@@ -8,10 +8,14 @@ number of rows or threads (`csrc/matvec.cc` says which), so a row's result does 
 
 The weights reach them in the decode form (`Decoder.split_layers(native=True)`, what `generate`, speculative
 decoding, the engine and `bench decode` slice once per program): on a CPU with the kernels built, each projection
-weight is stored there output-major, float32 as an `OutMajor` [out, in] (this module), int8/int4 as a `QArray` with
-`major="out"` (quant.py); a tied embedding table [V, D] already is its head output-major. The copy `split_layers`
-makes anyway is made in this layout: no memory beyond what the decode form held before (a quantized model's head,
-stored input-major, is the exception: `DecodeLayers.head` holds an output-major copy of it).
+weight is stored there output-major, float32 as an `OutMajor` (this module), int8/int4 as a `QArray` with
+`major="out"` (quant.py). A float32 weight of N outputs and K inputs is stored tiled where 4 divides N and 16 divides
+K, t [N/4, K/16, 4, 16] (`tile`): tiles of 4 outputs x 16 inputs, each output's 16 inputs one 64-byte line, so a
+block of 4 outputs is one stream of addresses instead of 4 (the 135M shape's products, Zen 5, 2 threads: 40 -> 48
+GB/s, 58 -> 77 in a quiet minute: docs/performance.md); else [N, K]. The copy `split_layers` makes anyway is made in
+this layout. The head is the exception: `DecodeLayers.head` holds a copy in the kernels' layout of a head stored
+otherwise, a quantized model's (stored input-major) and a tied float32 table [V, D] that tiles (V x D x 4 bytes more
+while decoding, 113 MB for the 135M shape, for a head read 1.3x faster; a table that does not tile is read in place).
 
 Used only where `native_products()` is on (the decoder sets it for a forward pass over a cache, i.e. decoding,
 outside the batch-invariant scoring mode), on the CPU backend, with the kernels built (`native.available`), for
@@ -83,10 +87,39 @@ def _call(target: str, rows: int, n: int, *args):
     return jax.ffi.ffi_call(target, out, vmap_method="sequential")(*args)
 
 
+TILE_OUT, TILE_IN = 4, 16  # a float32 tile: 4 outputs x 16 inputs (one 64-byte line per output)
+
+
+def tiles(n: int, k: int) -> bool:
+    """Whether a float32 weight of n outputs and k inputs is stored tiled."""
+    return n % TILE_OUT == 0 and k % TILE_IN == 0
+
+
+def tile(t):
+    """An output-major float32 weight t [N, K] in the kernels' tiles [N/4, K/16, 4, 16] where they divide it, else t."""
+    n, k = t.shape
+    if not tiles(n, k):
+        return t
+    return t.reshape(n // TILE_OUT, TILE_OUT, k // TILE_IN, TILE_IN).transpose(0, 2, 1, 3)
+
+
+def untile(t):
+    """The output-major weight [N, K] of a tiled t (`tile`); an [N, K] t itself."""
+    if t.ndim == 2:
+        return t
+    nb, kb, to, ti = t.shape
+    return t.transpose(0, 2, 1, 3).reshape(nb * to, kb * ti)
+
+
+def _outputs(w) -> int:
+    return w.shape[0] * (TILE_OUT if w.ndim == 4 else 1)
+
+
 @jax.custom_vjp
 def matvec_f32(x, w):
-    """x [R, K] float32 times w [N, K] float32 (output-major) -> [R, N] = x @ w.T, R <= MAX_ROWS."""
-    return _call("causal_lm_matvec_f32", x.shape[0], w.shape[0], x, w)
+    """x [R, K] float32 times w float32, output-major [N, K] or tiled [N/4, K/16, 4, 16] (`tile`) -> [R, N] = x @
+    w.T, R <= MAX_ROWS. Either layout gives the same bits."""
+    return _call("causal_lm_matvec_f32", x.shape[0], _outputs(w), x, w)
 
 
 def _f32_fwd(x, w):
@@ -95,7 +128,8 @@ def _f32_fwd(x, w):
 
 def _f32_bwd(res, g):
     x, w = res
-    return g @ w, g.T @ x
+    dw = g.T @ x
+    return g @ untile(w), dw if w.ndim == 2 else tile(dw)
 
 
 matvec_f32.defvjp(_f32_fwd, _f32_bwd)
@@ -142,8 +176,9 @@ matvec_quantized.defvjp(_q_fwd, _q_bwd)
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class OutMajor:
-    """A float32 weight of logical shape in_shape + out_shape stored output-major as t [prod(out), prod(in)] (the
-    decode form's layout for the kernels). `project` multiplies it (`matmul`); `astype(float32)` is itself."""
+    """A float32 weight of logical shape in_shape + out_shape stored output-major as t [prod(out), prod(in)], tiled
+    where the tiles divide it (`tile`; the decode form's layout for the kernels). `project` multiplies it (`matmul`);
+    `astype(float32)` is itself."""
 
     t: jax.Array
     in_shape: tuple = dataclasses.field(metadata=dict(static=True))
@@ -169,15 +204,20 @@ class OutMajor:
         out = jnp.dtype(preferred_element_type or self.t.dtype)
         if out == jnp.float32 and native_here(x2.shape[0], x.dtype, self.t.dtype):
             y = matvec_f32(x2, self.t)
+        elif self.t.ndim == 4:  # tiled: y[r, n/4, n%4] = sum over (k/16, k%16), one dot without a copy of t
+            nb, kb, to, ti = self.t.shape
+            dims = (((1, 2), (1, 3)), ((), ()))
+            y = jax.lax.dot_general(x2.reshape(-1, kb, ti), self.t, dims, preferred_element_type=preferred_element_type)
+            y = y.reshape(-1, nb * to)
         else:
             y = jnp.matmul(x2, self.t.T, preferred_element_type=preferred_element_type)
         return y.reshape(lead + self.out_shape)
 
 
 def out_major(w, n_in: int) -> OutMajor:
-    """The float weight w [*in, *out] as an OutMajor."""
+    """The float weight w [*in, *out] as an OutMajor (tiled where the tiles divide it)."""
     in_shape, out_shape = tuple(w.shape[:n_in]), tuple(w.shape[n_in:])
-    return OutMajor(jnp.asarray(w).reshape(math.prod(in_shape), -1).T, in_shape, out_shape)
+    return OutMajor(tile(jnp.asarray(w).reshape(math.prod(in_shape), -1).T), in_shape, out_shape)
 
 
 def project_table(x, table):
@@ -187,8 +227,8 @@ def project_table(x, table):
 
 
 class OutMajorWeight(nnx.Module):
-    """What replaces a float projection weight's nnx.Param in the decode form: `t` [prod(out), prod(in)];
-    `self.w[...]` gives the OutMajor that `project` multiplies."""
+    """What replaces a float projection weight's nnx.Param in the decode form: `t` [prod(out), prod(in)] or its tiles
+    (`tile`); `self.w[...]` gives the OutMajor that `project` multiplies."""
 
     def __init__(self, w, n_in: int):
         o = out_major(w, n_in)

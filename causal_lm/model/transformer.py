@@ -351,7 +351,7 @@ class Decoder(nnx.Module):
             and not hasattr(table, "matmul")
             and matvec.native_here(rows, x.dtype, table.dtype)
         ):
-            logits = matvec.project_table(x, table)  # decoding on a CPU: the [V, D] table read in place as the head
+            logits = matvec.project_table(x, table)  # decoding on a CPU: a table that does not tile, read in place
         else:
             head = table.T if c.tie_embeddings else self.lm_head[...]
             logits = project(x, head.astype(dt), preferred_element_type=jnp.float32)  # [B, T, V]
@@ -447,6 +447,8 @@ class Decoder(nnx.Module):
                 head = w.out_major() if hasattr(w, "out_major") else matvec.out_major(w, 1)
             elif hasattr(table, "matmul"):  # a quantized table, stored as the input-major head
                 head = table.T.out_major()
+            elif matvec.tiles(*table.shape):  # a float table read 1.3x faster tiled (matvec.py), at the cost of a copy
+                head = matvec.out_major(table.T, 1)
         return DecodeLayers(graphdef, states, head, native)
 
     def _run_blocks(self, x, ctx: AttentionContext, cache, layers, return_hidden):

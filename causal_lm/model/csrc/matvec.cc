@@ -4,7 +4,11 @@
 //
 // W is output-major (each output's weights contiguous, one dot product per output, the weights streamed in address
 // order); the decode form of a model stores its weights this way (model/matvec.py):
-//   float32  w  [N, K]
+//   float32  w  [N, K], or tiled [N/4, K/16, 4, 16]: tiles of 4 outputs x 16 inputs, each output's 16 inputs one
+//            64-byte line, the 4 outputs' lines adjacent, the tiles of a block of 4 outputs in input order. A block
+//            of 4 outputs then reads one stream of addresses instead of 4 (w[n] .. w[n + 3] are K floats apart):
+//            the 135M shape's products, Zen 5, 2 threads, 40 -> 48 GB/s (a quiet minute: 58 -> 77, where a plain
+//            sum over the same bytes reads 75-78; docs/performance.md). Which layout changes no value.
 //   int8     q  [N, K] int8, scale [N, G]                      w = q * scale           (groups of g = K / G inputs)
 //   int4     p  [N, G, g/2] uint8, scale [N, G] (, minimum [N, G])
 //            byte j of group G holds input G*g + j in its low nibble and G*g + j + g/2 in its high nibble;
@@ -54,6 +58,7 @@ struct Problem {
   int64_t R, K, N, G, g;  // rows, inputs, outputs, groups, inputs per group
   const float* x;         // [R, K]
   const void* w;          // the weight bytes, output-major
+  bool tiled;             // float32 in tiles of 4 outputs x 16 inputs (N % 4 == 0, K % 16 == 0)
   const float* scale;     // [N, G] (int8, int4)
   const float* minimum;   // [N, G] or null (int4)
   const float* xsum;      // [R, G] group sums of x (int4)
@@ -62,10 +67,14 @@ struct Problem {
 
 inline float lanes_sum(const float* l) { return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7])); }
 
+// Where a float32 weight (n, k) is: w[row(n) + col(k)].
+inline int64_t f32_row(const Problem& P, int64_t n) { return P.tiled ? (n >> 2) * 4 * P.K + (n & 3) * 16 : n * P.K; }
+inline int64_t f32_col(const Problem& P, int64_t k) { return P.tiled ? (k >> 4) * 64 + (k & 15) : k; }
+
 // The float weight of output n, input i of group G (the scalar path).
 inline float weight(const Problem& P, int64_t n, int64_t G, int64_t i) {
   const int64_t k = G * P.g + i;
-  if (P.format == kF32) return static_cast<const float*>(P.w)[n * P.K + k];
+  if (P.format == kF32) return static_cast<const float*>(P.w)[f32_row(P, n) + f32_col(P, k)];
   if (P.format == kI8) return static_cast<float>(static_cast<const int8_t*>(P.w)[n * P.K + k]);
   const int64_t h = P.g / 2;
   const uint8_t b = static_cast<const uint8_t*>(P.w)[(n * P.G + G) * h + (i < h ? i : i - h)];
@@ -148,12 +157,15 @@ void vector_rows(const Problem& P, int64_t r0, int64_t n0) {
     for (int r = 0; r < RB; ++r)
       for (int b = 0; b < NB; ++b) part[r][b] = _mm256_setzero_ps();
     if (P.format == kF32) {
-      const float* w = static_cast<const float*>(P.w) + n0 * K + k0;
+      const float* w = static_cast<const float*>(P.w);
+      int64_t at[NB];
+      for (int b = 0; b < NB; ++b) at[b] = f32_row(P, n0 + b);
       for (int64_t i = 0; i < g; i += 8) {
+        const int64_t col = f32_col(P, k0 + i);
         if (i % 16 == 0)
-          for (int b = 0; b < NB; ++b) ahead(w + b * K + i);
+          for (int b = 0; b < NB; ++b) ahead(w + at[b] + col);
         __m256 wv[NB];
-        for (int b = 0; b < NB; ++b) wv[b] = _mm256_loadu_ps(w + b * K + i);
+        for (int b = 0; b < NB; ++b) wv[b] = _mm256_loadu_ps(w + at[b] + col);
         for (int r = 0; r < RB; ++r) {
           const __m256 xv = _mm256_loadu_ps(x + r * K + k0 + i);
           for (int b = 0; b < NB; ++b) part[r][b] = _mm256_fmadd_ps(xv, wv[b], part[r][b]);
@@ -266,11 +278,14 @@ void wide_rows(const Problem& P, int64_t r0, int64_t n0) {
     for (int r = 0; r < RB; ++r)
       for (int b = 0; b < NB; ++b) part[r][b] = _mm512_setzero_ps();
     if (P.format == kF32) {
-      const float* w = static_cast<const float*>(P.w) + n0 * K + k0;
+      const float* w = static_cast<const float*>(P.w);
+      int64_t at[NB];
+      for (int b = 0; b < NB; ++b) at[b] = f32_row(P, n0 + b);
       for (int64_t i = 0; i < g; i += 16) {
-        for (int b = 0; b < NB; ++b) ahead(w + b * K + i);
+        const int64_t col = f32_col(P, k0 + i);
+        for (int b = 0; b < NB; ++b) ahead(w + at[b] + col);
         __m512 wv[NB];
-        for (int b = 0; b < NB; ++b) wv[b] = _mm512_loadu_ps(w + b * K + i);
+        for (int b = 0; b < NB; ++b) wv[b] = _mm512_loadu_ps(w + at[b] + col);
         for (int r = 0; r < RB; ++r) {
           const __m512 xv = _mm512_loadu_ps(x + r * K + k0 + i);
           for (int b = 0; b < NB; ++b) part[r][b] = _mm512_fmadd_ps(xv, wv[b], part[r][b]);
@@ -349,10 +364,21 @@ inline void rows(const Problem& P, int64_t r0, int64_t n0) {
 
 // Outputs [n0, n1), all rows. Blocks of 4 rows x 3 outputs (12 independent chains: the FMA units stay busy, and
 // each vector of x loaded serves 3 outputs); the rows left over (R % 4): 4 outputs at a time for one row, 2 x 2 for
-// two or three. Each output's weights are read from memory once, then from L1.
+// two or three. Each output's weights are read from memory once, then from L1. Tiled weights (n0, n1 multiples of 4)
+// go by whole tiles: 4 rows x 4 outputs where there are 32 vector registers (AVX-512), else 4 x 2 twice.
 void outputs(const Problem& P, int64_t n0, int64_t n1) {
   const int64_t R4 = P.R / 4 * 4;
-  if (R4) {
+  if (R4 && P.tiled) {
+    for (int64_t n = n0; n < n1; n += 4)
+      for (int64_t r = 0; r < R4; r += 4) {
+#ifdef CLM_AVX512
+        rows<4, 4>(P, r, n);
+#else
+        rows<4, 2>(P, r, n);
+        rows<4, 2>(P, r, n + 2);
+#endif
+      }
+  } else if (R4) {
     int64_t n = n0;
     for (; n + 3 <= n1; n += 3)
       for (int64_t r = 0; r < R4; r += 4) rows<4, 3>(P, r, n);
@@ -399,13 +425,16 @@ ffi::Error check(int64_t R, int64_t K, int64_t N) {
   return ffi::Error::Success();
 }
 
-ffi::Error F32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || wd[1] != xd[1])
-    return ffi::Error::InvalidArgument("matvec_f32: x [R, K], w [N, K]");
-  const int64_t R = xd[0], K = xd[1], N = wd[0];
+ffi::Error F32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w_any, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w_any.dimensions();
+  const bool tiled = wd.size() == 4;
+  if (w_any.element_type() != ffi::DataType::F32 || xd.size() != 2 ||
+      !(tiled ? wd[2] == 4 && wd[3] == 16 && wd[1] * 16 == xd[1] : wd.size() == 2 && wd[1] == xd[1]))
+    return ffi::Error::InvalidArgument("matvec_f32: x [R, K] float32, w [N, K] or [N/4, K/16, 4, 16] float32");
+  const int64_t R = xd[0], K = xd[1], N = tiled ? wd[0] * 4 : wd[0];
   if (auto e = check(R, K, N); e.failure()) return e;
-  Problem P{kF32, R, K, N, 1, K, x.typed_data(), w.typed_data(), nullptr, nullptr, nullptr, y->typed_data()};
+  Problem P{kF32, R, K, N, 1, K, x.typed_data(), w_any.untyped_data(), tiled, nullptr, nullptr, nullptr,
+            y->typed_data()};
   parallel(P, pool);
   return ffi::Error::Success();
 }
@@ -418,8 +447,8 @@ ffi::Error I8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8
   const int64_t R = xd[0], K = xd[1], N = qd[0], G = sd[1];
   if (auto e = check(R, K, N); e.failure()) return e;
   if (G < 1 || K % G) return ffi::Error::InvalidArgument("matvec_i8: the groups must divide the inputs");
-  Problem P{kI8, R, K, N, G, K / G, x.typed_data(), q.typed_data(), scale.typed_data(), nullptr, nullptr,
-            y->typed_data()};
+  Problem P{kI8, R, K, N, G, K / G, x.typed_data(), q.typed_data(), false, scale.typed_data(),
+            nullptr, nullptr, y->typed_data()};
   parallel(P, pool);
   return ffi::Error::Success();
 }
@@ -440,7 +469,7 @@ ffi::Error I4Impl(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<f
       for (int64_t k = i * g; k < (i + 1) * g; ++k) s += xp[r * K + k];
       xsum[r * G + i] = s;
     }
-  Problem P{kI4, R, K, N, G, g, xp, p.typed_data(), scale.typed_data(), minimum, xsum.data(), y->typed_data()};
+  Problem P{kI4, R, K, N, G, g, xp, p.typed_data(), false, scale.typed_data(), minimum, xsum.data(), y->typed_data()};
   parallel(P, pool);
   return ffi::Error::Success();
 }
@@ -464,7 +493,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(causal_lm_matvec_f32, F32,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(causal_lm_matvec_i8, I8,
                               ffi::Ffi::Bind()
