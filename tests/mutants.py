@@ -1226,7 +1226,7 @@ MUTANTS = [
     dict(
         name="matvec-tile-outputs-misplaced",
         file="causal_lm/model/csrc/matvec.cc",
-        old="return P.tiled ? (n >> 2) * 4 * P.K + (n & 3) * 16 : n * P.K;",
+        old="return P.tiled ? (n >> 2) * 4 * P.K + (n & 3) * L : n * P.K;",
         new="return P.tiled ? (n >> 2) * 4 * P.K + (n & 3) * P.K / 4 : n * P.K;",
         tests=["tests/test_matvec.py::test_tiled_float32_weights_give_the_untiled_bits"],
         why="a tiled weight's outputs read from the wrong lines of their tile: each output sums other outputs' weights",
@@ -1234,8 +1234,8 @@ MUTANTS = [
     dict(
         name="matvec-tile-inputs-as-rows",
         file="causal_lm/model/csrc/matvec.cc",
-        old="return P.tiled ? (k >> 4) * 64 + (k & 15) : k;",
-        new="return P.tiled ? (k >> 4) * 16 + (k & 15) : k;",
+        old="return P.tiled ? (k / L) * 4 * L + k % L : k;",
+        new="return P.tiled ? (k / L) * L + k % L : k;",
         tests=["tests/test_matvec.py::test_tiled_float32_weights_give_the_untiled_bits"],
         why="a tiled weight's inputs read as if each output's were contiguous: the other outputs' lines of the tile",
     ),
@@ -1247,6 +1247,22 @@ MUTANTS = [
         tests=["tests/test_matvec.py::test_tiled_float32_weights_give_the_untiled_bits"],
         cpu="avx512f",
         why="blocks of 4 rows over a tiled weight compute 2 of each tile's 4 outputs: the others keep what was in y",
+    ),
+    dict(
+        name="matvec-int8-tiles-of-16-inputs",
+        file="causal_lm/model/matvec.py",
+        old="    li = tile_inputs(t.dtype)\n",
+        new="    li = 16\n",
+        tests=["tests/test_matvec.py::test_tiled_int8_weights_give_the_untiled_bits"],
+        why="int8 weights tiled 16 inputs to a line where the kernel reads 64: a wrong shape, or other outputs' bytes",
+    ),
+    dict(
+        name="matvec-int8-gradient-reads-tiles-as-rows",
+        file="causal_lm/model/matvec.py",
+        old="        return (untile(data).reshape(n, groups, -1)",
+        new="        return (data.reshape(n, groups, -1)",
+        tests=["tests/test_matvec.py::test_tiled_int8_weights_give_the_untiled_bits"],
+        why="the int8 product's gradient dequantizes tiled bytes as if they were rows: a wrong gradient for x",
     ),
     dict(
         name="matvec-head-not-tiled",

@@ -4,6 +4,7 @@ the number of rows; a decode step of a quantized model reading the int8/int4 byt
 float copy of its weights; the decode form's cached decode equal to recompute. CI machines have gcc: there a kernel
 that did not build fails the tests instead of skipping them."""
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -34,7 +35,8 @@ def _kernels_built():
 _f32 = jax.jit(matvec.matvec_f32)
 _quant = jax.jit(matvec.matvec_quantized)
 
-SHAPES = [(64, 70), (37, 131)]  # K, N: whole vectors with an odd output count; odd inputs (the scalar path)
+# K, N: whole vectors with an odd output count; odd inputs (the scalar path); int8 (and float32) in tiles
+SHAPES = [(64, 70), (37, 131), (128, 36)]
 # bits, group (0: per channel), minimums; g=4 is an int4 group of less than a vector (the scalar path). On a CPU with
 # AVX-512, int8 groups of a multiple of 16 and int4 groups of 32 take the 16-lane path; int8 g=8 and int4 g=64 take
 # the 8-lane AVX2 path on every x86 CPU (test_the_avx2_build_on_a_cpu_with_avx512 runs the rest there too).
@@ -90,8 +92,29 @@ def test_tiled_float32_weights_give_the_untiled_bits(K, N):
 
 
 def test_weights_that_do_not_tile_stay_output_major():
-    for K, N in SHAPES + [(48, 30), (40, 36)]:
+    for K, N in [(64, 70), (37, 131), (48, 30), (40, 36)]:
         assert matvec.out_major(jnp.zeros((K, N)), 1).t.shape == (N, K)
+    for K, N, tiled in [(128, 36, True), (64, 36, True), (48, 36, False), (128, 70, False)]:
+        qa = QArray(*quantize_array(np.ones((K, N), np.float32), 8, K, False), 8, K, (K,), (N,)).out_major()
+        assert qa.data.shape == ((N // 4, K // 64, 4, 64) if tiled else (N, K))
+        np.testing.assert_array_equal(np.asarray(qa.in_major().data), np.ones((K, N), np.int8) * 127)
+
+
+@pytest.mark.parametrize("K,N", [(128, 36), (1536, 8)])
+@pytest.mark.parametrize("fmt", ["int8", "int8-g16", "int8-g8"])
+def test_tiled_int8_weights_give_the_untiled_bits(K, N, fmt):
+    """int8 decode weights are stored in tiles of 4 outputs x 64 inputs where they divide it: the kernel's product
+    is the product over [N, K] bit for bit at every row count, and the gradient through its custom_vjp is XLA's."""
+    x, qa, want = _quantized_case(K, N, fmt)
+    assert qa.data.shape == (N // 4, K // 64, 4, 64)
+    rows_form = dataclasses.replace(qa, data=matvec.untile(qa.data))
+    for rows in (1, 2, 3, 4, 5, 8, 13, 16):
+        y = np.asarray(_quant(x[:rows], qa.data, qa.scale, qa.minimum))
+        np.testing.assert_array_equal(y, np.asarray(_quant(x[:rows], rows_form.data, qa.scale, qa.minimum)))
+        np.testing.assert_allclose(y, want[:rows], rtol=1e-5, atol=2e-6 * np.abs(want).max())
+    g = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(matvec.matvec_quantized(x, qa.data, qa.scale, None)))))(x[:3])
+    w = np.asarray(qa.dequantize(), np.float32)
+    np.testing.assert_allclose(g, jax.grad(lambda x: jnp.sum(jnp.sin(x @ w)))(x[:3]), rtol=1e-3, atol=1e-3)
 
 
 QUANT_CASES = [  # the formats whose groups fit each shape (int4 needs even groups that divide K)
@@ -170,6 +193,8 @@ ORDER_CASES = [
     (37, 131, "float32"),
     (48, 36, "float32-tiled"),
     (64, 70, "int8"),
+    (128, 36, "int8"),
+    (128, 36, "int8-g8"),
     (64, 70, "int8-g16"),
     (64, 70, "int8-g8"),
 ]
@@ -183,7 +208,7 @@ def _order_case(K, N, fmt):
         return x, np.asarray(_f32(x, stored)), lambda wide: _documented_order(x, w, None, K, _lanes(K, K, wide))
     x, qa, _ = _quantized_case(K, N, fmt)
     g = FORMATS[fmt][1] or K
-    q, scale = np.asarray(qa.data, np.float32), np.asarray(qa.scale, np.float32)
+    q, scale = np.asarray(matvec.untile(qa.data), np.float32), np.asarray(qa.scale, np.float32)
     y = np.asarray(_quant(x, qa.data, qa.scale, qa.minimum))
     return x, y, lambda wide: _documented_order(x, q, scale, g, _lanes(K, g, wide))
 

@@ -9,10 +9,11 @@ number of rows or threads (`csrc/matvec.cc` says which), so a row's result does 
 The weights reach them in the decode form (`Decoder.split_layers(native=True)`, what `generate`, speculative
 decoding, the engine and `bench decode` slice once per program): on a CPU with the kernels built, each projection
 weight is stored there output-major, float32 as an `OutMajor` (this module), int8/int4 as a `QArray` with
-`major="out"` (quant.py). A float32 weight of N outputs and K inputs is stored tiled where 4 divides N and 16 divides
-K, t [N/4, K/16, 4, 16] (`tile`): tiles of 4 outputs x 16 inputs, each output's 16 inputs one 64-byte line, so a
-block of 4 outputs is one stream of addresses instead of 4 (the 135M shape's products, Zen 5, 2 threads: 40 -> 48
-GB/s, 58 -> 77 in a quiet minute: docs/performance.md); else [N, K]. The copy `split_layers` makes anyway is made in
+`major="out"` (quant.py). A float32 or int8 weight of N outputs and K inputs is stored tiled where 4 divides N and
+one 64-byte line of inputs (16 float32, 64 int8) divides K, [N/4, K/L, 4, L] (`tile`): tiles of 4 outputs x L
+inputs, each output's L inputs one line, so a block of 4 outputs is one stream of addresses instead of 4 (the 135M
+shape's products, Zen 5, 2 threads: float32 40 -> 48 GB/s, 58 -> 77 in a quiet minute, int8 43 -> 51:
+docs/performance.md); else [N, K]. int4 keeps [N, G, g/2]. The copy `split_layers` makes anyway is made in
 this layout. The head is the exception: `DecodeLayers.head` holds a copy in the kernels' layout of a head stored
 otherwise, a quantized model's (stored input-major) and a tied float32 table [V, D] that tiles (V x D x 4 bytes more
 while decoding, 113 MB for the 135M shape, for a head read 1.3x faster; a table that does not tile is read in place).
@@ -87,20 +88,27 @@ def _call(target: str, rows: int, n: int, *args):
     return jax.ffi.ffi_call(target, out, vmap_method="sequential")(*args)
 
 
-TILE_OUT, TILE_IN = 4, 16  # a float32 tile: 4 outputs x 16 inputs (one 64-byte line per output)
+TILE_OUT, TILE_BYTES = 4, 64  # a tile: 4 outputs x one 64-byte line of inputs each (16 float32, 64 int8)
 
 
-def tiles(n: int, k: int) -> bool:
-    """Whether a float32 weight of n outputs and k inputs is stored tiled."""
-    return n % TILE_OUT == 0 and k % TILE_IN == 0
+def tile_inputs(dtype=jnp.float32) -> int:
+    """How many inputs of one output a tile holds: one 64-byte line of them."""
+    return TILE_BYTES // jnp.dtype(dtype).itemsize
+
+
+def tiles(n: int, k: int, dtype=jnp.float32) -> bool:
+    """Whether a float32 (or int8) weight of n outputs and k inputs is stored tiled."""
+    return n % TILE_OUT == 0 and k % tile_inputs(dtype) == 0
 
 
 def tile(t):
-    """An output-major float32 weight t [N, K] in the kernels' tiles [N/4, K/16, 4, 16] where they divide it, else t."""
+    """An output-major float32 or int8 weight t [N, K] in the kernels' tiles [N/4, K/L, 4, L] (L = 16 float32, 64
+    int8 inputs) where they divide it, else t."""
     n, k = t.shape
-    if not tiles(n, k):
+    if not tiles(n, k, t.dtype):
         return t
-    return t.reshape(n // TILE_OUT, TILE_OUT, k // TILE_IN, TILE_IN).transpose(0, 2, 1, 3)
+    li = tile_inputs(t.dtype)
+    return t.reshape(n // TILE_OUT, TILE_OUT, k // li, li).transpose(0, 2, 1, 3)
 
 
 def untile(t):
@@ -136,11 +144,11 @@ matvec_f32.defvjp(_f32_fwd, _f32_bwd)
 
 
 def dequantize_out_major(data, scale, minimum, bits: int):
-    """The float weight [N, K] of output-major quantized arrays (int8 data [N, K], int4 data [N, G, g/2]; scale,
-    minimum [N, G])."""
+    """The float weight [N, K] of output-major quantized arrays (int8 data [N, K] or its tiles, int4 data [N, G,
+    g/2]; scale, minimum [N, G])."""
     n, groups = scale.shape
     if bits == 8:
-        return (data.reshape(n, groups, -1).astype(jnp.float32) * scale[:, :, None]).reshape(n, -1)
+        return (untile(data).reshape(n, groups, -1).astype(jnp.float32) * scale[:, :, None]).reshape(n, -1)
     nib = jnp.concatenate([data & 15, data >> 4], axis=2).astype(jnp.float32)  # [N, G, g]
     off = -8.0 * scale if minimum is None else minimum
     return (nib * scale[:, :, None] + off[:, :, None]).reshape(n, -1)
@@ -149,7 +157,8 @@ def dequantize_out_major(data, scale, minimum, bits: int):
 @jax.custom_vjp
 def matvec_quantized(x, data, scale, minimum):
     """x [R, K] float32 times an output-major quantized weight -> [R, N] float32, R <= MAX_ROWS. int8: data [N, K]
-    int8; int4: data [N, G, g/2] uint8 (quant.py's nibble order within a group); scale / minimum [N, G]."""
+    int8 or its tiles [N/4, K/64, 4, 64] (`tile`); int4: data [N, G, g/2] uint8 (quant.py's nibble order within a
+    group); scale / minimum [N, G]."""
     rows, n = x.shape[0], scale.shape[0]
     if data.dtype == jnp.int8:
         return _call("causal_lm_matvec_i8", rows, n, x, data, scale)

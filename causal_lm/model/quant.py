@@ -94,8 +94,9 @@ class QArray:
     in_shape: tuple = dataclasses.field(metadata=dict(static=True))
     out_shape: tuple = dataclasses.field(metadata=dict(static=True))
     dtype: str = dataclasses.field(default="float32", metadata=dict(static=True))  # the compute dtype
-    # "in": the storage above; "out": output-major for the C++ decode kernels (matvec.py): int8 data [NO, NI],
-    # int4 data [NO, G, g/2] (the same bytes per group), scale / minimum [NO, G]
+    # "in": the storage above; "out": output-major for the C++ decode kernels (matvec.py): int8 data [NO, NI] or
+    # its tiles [NO/4, NI/64, 4, 64] (`matvec.tile`, where they divide it), int4 data [NO, G, g/2] (the same bytes per
+    # group), scale / minimum [NO, G]
     major: str = dataclasses.field(default="in", metadata=dict(static=True))
 
     @property
@@ -118,7 +119,8 @@ class QArray:
         """The same values stored output-major (the decode form for the C++ kernels)."""
         if self.major == "out":
             return self
-        data = self.data.T if self.bits == 8 else jnp.transpose(self.data, (2, 0, 1))  # [NO, NI] / [NO, G, g/2]
+        # int8 [NO, NI] in tiles / int4 [NO, G, g/2]
+        data = matvec.tile(self.data.T) if self.bits == 8 else jnp.transpose(self.data, (2, 0, 1))
         minimum = None if self.minimum is None else self.minimum.T
         return dataclasses.replace(self, data=data, scale=self.scale.T, minimum=minimum, major="out")
 
@@ -126,7 +128,7 @@ class QArray:
         """The same values in the storage of the module docstring."""
         if self.major == "in":
             return self
-        data = self.data.T if self.bits == 8 else jnp.transpose(self.data, (1, 2, 0))
+        data = matvec.untile(self.data).T if self.bits == 8 else jnp.transpose(self.data, (1, 2, 0))
         minimum = None if self.minimum is None else self.minimum.T
         return dataclasses.replace(self, data=data, scale=self.scale.T, minimum=minimum, major="in")
 

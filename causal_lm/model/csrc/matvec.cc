@@ -9,7 +9,9 @@
 //            of 4 outputs then reads one stream of addresses instead of 4 (w[n] .. w[n + 3] are K floats apart):
 //            the 135M shape's products, Zen 5, 2 threads, 40 -> 48 GB/s (a quiet minute: 58 -> 77, where a plain
 //            sum over the same bytes reads 75-78; docs/performance.md). Which layout changes no value.
-//   int8     q  [N, K] int8, scale [N, G]                      w = q * scale           (groups of g = K / G inputs)
+//   int8     q  [N, K] int8, or tiled [N/4, K/64, 4, 64] (each output's 64 inputs one line, as float32's 16),
+//            scale [N, G]                                      w = q * scale           (groups of g = K / G inputs)
+//            (tiled, the 135M shape's products, one row, alternated in one process: 43 -> 51 GB/s, 20 of 20)
 //   int4     p  [N, G, g/2] uint8, scale [N, G] (, minimum [N, G])
 //            byte j of group G holds input G*g + j in its low nibble and G*g + j + g/2 in its high nibble;
 //            w = (nibble - 8) * scale (symmetric), or nibble * scale + minimum (with minimums).
@@ -58,7 +60,7 @@ struct Problem {
   int64_t R, K, N, G, g;  // rows, inputs, outputs, groups, inputs per group
   const float* x;         // [R, K]
   const void* w;          // the weight bytes, output-major
-  bool tiled;             // float32 in tiles of 4 outputs x 16 inputs (N % 4 == 0, K % 16 == 0)
+  bool tiled;             // float32 / int8 in tiles of 4 outputs x one 64-byte line of inputs each
   const float* scale;     // [N, G] (int8, int4)
   const float* minimum;   // [N, G] or null (int4)
   const float* xsum;      // [R, G] group sums of x (int4)
@@ -67,15 +69,22 @@ struct Problem {
 
 inline float lanes_sum(const float* l) { return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7])); }
 
-// Where a float32 weight (n, k) is: w[row(n) + col(k)].
-inline int64_t f32_row(const Problem& P, int64_t n) { return P.tiled ? (n >> 2) * 4 * P.K + (n & 3) * 16 : n * P.K; }
-inline int64_t f32_col(const Problem& P, int64_t k) { return P.tiled ? (k >> 4) * 64 + (k & 15) : k; }
+// Where a float32 or int8 weight (n, k) is: w[w_row<L>(n) + w_col<L>(k)], L the inputs of one 64-byte line (16
+// float32, 64 int8).
+template <int64_t L>
+inline int64_t w_row(const Problem& P, int64_t n) {
+  return P.tiled ? (n >> 2) * 4 * P.K + (n & 3) * L : n * P.K;
+}
+template <int64_t L>
+inline int64_t w_col(const Problem& P, int64_t k) {
+  return P.tiled ? (k / L) * 4 * L + k % L : k;
+}
 
 // The float weight of output n, input i of group G (the scalar path).
 inline float weight(const Problem& P, int64_t n, int64_t G, int64_t i) {
   const int64_t k = G * P.g + i;
-  if (P.format == kF32) return static_cast<const float*>(P.w)[f32_row(P, n) + f32_col(P, k)];
-  if (P.format == kI8) return static_cast<float>(static_cast<const int8_t*>(P.w)[n * P.K + k]);
+  if (P.format == kF32) return static_cast<const float*>(P.w)[w_row<16>(P, n) + w_col<16>(P, k)];
+  if (P.format == kI8) return static_cast<float>(static_cast<const int8_t*>(P.w)[w_row<64>(P, n) + w_col<64>(P, k)]);
   const int64_t h = P.g / 2;
   const uint8_t b = static_cast<const uint8_t*>(P.w)[(n * P.G + G) * h + (i < h ? i : i - h)];
   return static_cast<float>(i < h ? (b & 15) : (b >> 4));
@@ -159,9 +168,9 @@ void vector_rows(const Problem& P, int64_t r0, int64_t n0) {
     if (P.format == kF32) {
       const float* w = static_cast<const float*>(P.w);
       int64_t at[NB];
-      for (int b = 0; b < NB; ++b) at[b] = f32_row(P, n0 + b);
+      for (int b = 0; b < NB; ++b) at[b] = w_row<16>(P, n0 + b);
       for (int64_t i = 0; i < g; i += 8) {
-        const int64_t col = f32_col(P, k0 + i);
+        const int64_t col = w_col<16>(P, k0 + i);
         if (i % 16 == 0)
           for (int b = 0; b < NB; ++b) ahead(w + at[b] + col);
         __m256 wv[NB];
@@ -172,12 +181,15 @@ void vector_rows(const Problem& P, int64_t r0, int64_t n0) {
         }
       }
     } else if (P.format == kI8) {
-      const int8_t* q = static_cast<const int8_t*>(P.w) + n0 * K + k0;
+      const int8_t* q = static_cast<const int8_t*>(P.w);
+      int64_t at[NB];
+      for (int b = 0; b < NB; ++b) at[b] = w_row<64>(P, n0 + b);
       for (int64_t i = 0; i < g; i += 8) {
-        if (i % 64 == 0)
-          for (int b = 0; b < NB; ++b) ahead(q + b * K + i);
+        const int64_t col = w_col<64>(P, k0 + i);
+        if ((k0 + i) % 64 == 0)
+          for (int b = 0; b < NB; ++b) ahead(q + at[b] + col);
         __m256 wv[NB];
-        for (int b = 0; b < NB; ++b) wv[b] = widen8(q + b * K + i);
+        for (int b = 0; b < NB; ++b) wv[b] = widen8(q + at[b] + col);
         for (int r = 0; r < RB; ++r) {
           const __m256 xv = _mm256_loadu_ps(x + r * K + k0 + i);
           for (int b = 0; b < NB; ++b) part[r][b] = _mm256_fmadd_ps(xv, wv[b], part[r][b]);
@@ -280,9 +292,9 @@ void wide_rows(const Problem& P, int64_t r0, int64_t n0) {
     if (P.format == kF32) {
       const float* w = static_cast<const float*>(P.w);
       int64_t at[NB];
-      for (int b = 0; b < NB; ++b) at[b] = f32_row(P, n0 + b);
+      for (int b = 0; b < NB; ++b) at[b] = w_row<16>(P, n0 + b);
       for (int64_t i = 0; i < g; i += 16) {
-        const int64_t col = f32_col(P, k0 + i);
+        const int64_t col = w_col<16>(P, k0 + i);
         for (int b = 0; b < NB; ++b) ahead(w + at[b] + col);
         __m512 wv[NB];
         for (int b = 0; b < NB; ++b) wv[b] = _mm512_loadu_ps(w + at[b] + col);
@@ -292,13 +304,17 @@ void wide_rows(const Problem& P, int64_t r0, int64_t n0) {
         }
       }
     } else if (P.format == kI8) {
-      const int8_t* q = static_cast<const int8_t*>(P.w) + n0 * K + k0;
+      const int8_t* q = static_cast<const int8_t*>(P.w);
+      int64_t at[NB];
+      for (int b = 0; b < NB; ++b) at[b] = w_row<64>(P, n0 + b);
       for (int64_t i = 0; i < g; i += 16) {
-        if (i % 64 == 0)
-          for (int b = 0; b < NB; ++b) ahead(q + b * K + i);
+        const int64_t col = w_col<64>(P, k0 + i);
+        if ((k0 + i) % 64 == 0)
+          for (int b = 0; b < NB; ++b) ahead(q + at[b] + col);
         __m512 wv[NB];
         for (int b = 0; b < NB; ++b)
-          wv[b] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + b * K + i))));
+          wv[b] = _mm512_cvtepi32_ps(
+              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + at[b] + col))));
         for (int r = 0; r < RB; ++r) {
           const __m512 xv = _mm512_loadu_ps(x + r * K + k0 + i);
           for (int b = 0; b < NB; ++b) part[r][b] = _mm512_fmadd_ps(xv, wv[b], part[r][b]);
@@ -365,10 +381,12 @@ inline void rows(const Problem& P, int64_t r0, int64_t n0) {
 // Outputs [n0, n1), all rows. Blocks of 4 rows x 3 outputs (12 independent chains: the FMA units stay busy, and
 // each vector of x loaded serves 3 outputs); the rows left over (R % 4): 4 outputs at a time for one row, 2 x 2 for
 // two or three. Each output's weights are read from memory once, then from L1. Tiled weights (n0, n1 multiples of 4)
-// go by whole tiles: 4 rows x 4 outputs where there are 32 vector registers (AVX-512), else 4 x 2 twice.
+// go by whole tiles, but for int8's blocks of 4 rows: float32 4 rows x 4 outputs where there are 32 vector registers
+// (AVX-512), else 4 x 2 twice; int8 keeps 4 x 3 (its widened weights and separate group sums need more registers:
+// 4 x 4 was 7% slower at batch 8 in the 135M step, Zen 5, 4 x 3 level with untiled weights).
 void outputs(const Problem& P, int64_t n0, int64_t n1) {
   const int64_t R4 = P.R / 4 * 4;
-  if (R4 && P.tiled) {
+  if (R4 && P.tiled && P.format == kF32) {
     for (int64_t n = n0; n < n1; n += 4)
       for (int64_t r = 0; r < R4; r += 4) {
 #ifdef CLM_AVX512
@@ -439,15 +457,18 @@ ffi::Error F32(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w_a
   return ffi::Error::Success();
 }
 
-ffi::Error I8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> q, ffi::Buffer<ffi::F32> scale,
+ffi::Error I8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer q, ffi::Buffer<ffi::F32> scale,
               ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), qd = q.dimensions(), sd = scale.dimensions();
-  if (xd.size() != 2 || qd.size() != 2 || sd.size() != 2 || qd[1] != xd[1] || sd[0] != qd[0])
-    return ffi::Error::InvalidArgument("matvec_i8: x [R, K], q [N, K], scale [N, G]");
-  const int64_t R = xd[0], K = xd[1], N = qd[0], G = sd[1];
+  const bool tiled = qd.size() == 4;
+  if (q.element_type() != ffi::DataType::S8 || xd.size() != 2 || sd.size() != 2 ||
+      !(tiled ? qd[2] == 4 && qd[3] == 64 && qd[1] * 64 == xd[1] : qd.size() == 2 && qd[1] == xd[1]))
+    return ffi::Error::InvalidArgument("matvec_i8: x [R, K], q int8 [N, K] or [N/4, K/64, 4, 64], scale [N, G]");
+  const int64_t R = xd[0], K = xd[1], N = tiled ? qd[0] * 4 : qd[0], G = sd[1];
+  if (sd[0] != N) return ffi::Error::InvalidArgument("matvec_i8: scale [N, G]");
   if (auto e = check(R, K, N); e.failure()) return e;
   if (G < 1 || K % G) return ffi::Error::InvalidArgument("matvec_i8: the groups must divide the inputs");
-  Problem P{kI8, R, K, N, G, K / G, x.typed_data(), q.typed_data(), false, scale.typed_data(),
+  Problem P{kI8, R, K, N, G, K / G, x.typed_data(), q.untyped_data(), tiled, scale.typed_data(),
             nullptr, nullptr, y->typed_data()};
   parallel(P, pool);
   return ffi::Error::Success();
@@ -499,7 +520,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(causal_lm_matvec_i8, I8,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(causal_lm_matvec_i4, I4,
