@@ -81,7 +81,7 @@ def test_tiled_float32_weights_give_the_untiled_bits(K, N):
     for rows in (1, 2, 3, 4, 5, 6, 7, 8, 13, 16):
         np.testing.assert_array_equal(np.asarray(_f32(x[:rows], tiled)), np.asarray(_f32(x[:rows], jnp.asarray(w))))
     want = x.astype(np.float64) @ w.T.astype(np.float64)
-    o = matvec.out_major(jnp.asarray(w.T), 1)
+    o = matvec.out_major(jnp.asarray(w.T), 1, tiled=True)
     assert o.t.ndim == 4
     y = np.asarray(jax.jit(lambda x: o.matmul(x, 1))(x))  # 32 rows: XLA's product over the tiles
     np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
@@ -93,11 +93,32 @@ def test_tiled_float32_weights_give_the_untiled_bits(K, N):
 
 def test_weights_that_do_not_tile_stay_output_major():
     for K, N in [(64, 70), (37, 131), (48, 30), (40, 36)]:
-        assert matvec.out_major(jnp.zeros((K, N)), 1).t.shape == (N, K)
+        assert matvec.out_major(jnp.zeros((K, N)), 1, tiled=True).t.shape == (N, K)
     for K, N, tiled in [(128, 36, True), (64, 36, True), (48, 36, False), (128, 70, False)]:
-        qa = QArray(*quantize_array(np.ones((K, N), np.float32), 8, K, False), 8, K, (K,), (N,)).out_major()
+        qa = QArray(*quantize_array(np.ones((K, N), np.float32), 8, K, False), 8, K, (K,), (N,)).out_major(tiled=True)
         assert qa.data.shape == ((N // 4, K // 64, 4, 64) if tiled else (N, K))
         np.testing.assert_array_equal(np.asarray(qa.in_major().data), np.ones((K, N), np.int8) * 127)
+
+
+def _tiled_weights(layers) -> list:
+    """Whether each float32 / int8 weight of a decode form (and its head) is stored in tiles (rank 4)."""
+    leaves = jax.tree_util.tree_flatten_with_path((layers.states, layers.head))[0]
+    weights = [a for p, a in leaves if any(getattr(k, "name", getattr(k, "key", None)) in ("t", "data") for k in p)]
+    return [a.ndim == 4 for a in weights]
+
+
+def test_only_a_decode_form_of_at_most_max_rows_is_tiled():
+    """Tiles only where every product goes to the kernels: `split_layers(rows=...)` up to MAX_ROWS (generate's decode
+    loop) tiles every float32 / int8 weight and gives a tied float32 head a tiled copy; more rows, or no bound (the
+    engine, whose prompt chunks go to XLA's product, 1.2-5x slower over tiles), keep [out, in] and read the table
+    in place."""
+    model = build_model(tiny_config("gqa", d_model=128, num_heads=4, mlp_dim=512, vocab_size=512, max_seq_len=16))
+    for m in (model, quantize(model, "int8")):
+        tiled = _tiled_weights(m.split_layers(rows=matvec.MAX_ROWS))
+        assert tiled and all(tiled)
+        for rows in (None, matvec.MAX_ROWS + 1):
+            assert not any(_tiled_weights(m.split_layers(rows=rows)))
+    assert model.split_layers(rows=1).head is not None and model.split_layers().head is None
 
 
 @pytest.mark.parametrize("K,N", [(128, 36), (1536, 8)])
@@ -146,7 +167,7 @@ def _quantized_case(K, N, fmt):
     rng = np.random.default_rng(1)
     w = rng.standard_normal((K, N)).astype(np.float32) * rng.uniform(0.1, 2.0, (1, N)).astype(np.float32)
     data, scale, minimum = quantize_array(w, bits, g, minimums)
-    qa = QArray(data, scale, minimum, bits, g, (K,), (N,)).out_major()
+    qa = QArray(data, scale, minimum, bits, g, (K,), (N,)).out_major(tiled=True)
     x = rng.standard_normal((16, K)).astype(np.float32)
     return x, qa, x.astype(np.float64) @ np.asarray(qa.dequantize(), np.float64)
 
@@ -288,7 +309,7 @@ def _step_texts(model):
     def step(state, layers, tokens, cache):
         return nnx.merge(graphdef, state)(tokens, cache=cache, layers=layers)[0]
 
-    lowered = jax.jit(step).lower(state, model.split_layers(), jnp.zeros((1, 1), jnp.int32), cache)
+    lowered = jax.jit(step).lower(state, model.split_layers(rows=1), jnp.zeros((1, 1), jnp.int32), cache)
     return lowered.as_text(), lowered.compile().as_text()
 
 

@@ -146,7 +146,7 @@ def decode_loop_comparison(model, context: int, batch: int = 1, n: int = 64, rep
 
     @jax.jit
     def split(state):
-        return nnx.merge(graphdef, state).split_layers()
+        return nnx.merge(graphdef, state).split_layers(rows=batch)
 
     @functools.partial(jax.jit, donate_argnames=("cache",))
     def prefill(state, tokens, cache):

@@ -91,12 +91,12 @@ def bucket_length(n: int, minimum: int = 8) -> int:
 _STATIC = ("graphdef", "prompt_len", "max_new", "use_cache", "return_logits", "num_samples", "mesh")
 
 
-def _advance_fn(model, use_cache: bool, total: int, mesh):
+def _advance_fn(model, use_cache: bool, total: int, mesh, rows: int):
     """The loop's model step: (state, tokens [B], active [B]) -> (logits [B, V], state, K/V computed per row)."""
     if use_cache:
         # Each layer's weights sliced out of the stacked arrays once per program: the loop's steps then read them
         # in place instead of copying every layer's weights out of the stack at every step.
-        layers = model.split_layers(fuse=mesh is None)
+        layers = model.split_layers(fuse=mesh is None, rows=rows)  # one token a row: `rows` rows a product
 
         def advance(cache, tok, active):
             """One token per active row through the cache."""
@@ -129,7 +129,7 @@ def _run(
 ) -> DecodeState:
     """Decode until every row is done or `until` tokens are out (a traced count: max_new_tokens, or where a
     streaming caller pauses to show what came so far)."""
-    advance = _advance_fn(model, use_cache, total, mesh)
+    advance = _advance_fn(model, use_cache, total, mesh, s.token.shape[0])
 
     def cond(s: DecodeState):
         return (s.step < until) & ~jnp.all(s.done)

@@ -13,10 +13,13 @@ weight is stored there output-major, float32 as an `OutMajor` (this module), int
 one 64-byte line of inputs (16 float32, 64 int8) divides K, [N/4, K/L, 4, L] (`tile`): tiles of 4 outputs x L
 inputs, each output's L inputs one line, so a block of 4 outputs is one stream of addresses instead of 4 (the 135M
 shape's products, Zen 5, 2 threads: float32 40 -> 48 GB/s, 58 -> 77 in a quiet minute, int8 43 -> 51:
-docs/performance.md); else [N, K]. int4 keeps [N, G, g/2]. The copy `split_layers` makes anyway is made in
-this layout. The head is the exception: `DecodeLayers.head` holds a copy in the kernels' layout of a head stored
-otherwise, a quantized model's (stored input-major) and a tied float32 table [V, D] that tiles (V x D x 4 bytes more
-while decoding, 113 MB for the 135M shape, for a head read 1.3x faster; a table that does not tile is read in place).
+docs/performance.md); else [N, K]. int4 keeps [N, G, g/2]. Tiles are only for a decode form whose products all go
+to the kernels (`split_layers(rows=...)` of at most `MAX_ROWS`: `generate`'s decode loop): XLA's product over them
+(more rows than the kernels take, e.g. the engine's prompt chunks) is 1.2-5x slower than over [N, K]. The copy
+`split_layers` makes anyway is made in this layout. The head is the exception: `DecodeLayers.head` holds a copy in
+the kernels' layout of a head stored otherwise, a quantized model's (stored input-major) and, in tiles, a tied
+float32 table [V, D] (V x D x 4 bytes more while decoding, 113 MB for the 135M shape, for a head read 1.3x faster;
+untiled, the table is read in place).
 
 Used only where `native_products()` is on (the decoder sets it for a forward pass over a cache, i.e. decoding,
 outside the batch-invariant scoring mode), on the CPU backend, with the kernels built (`native.available`), for
@@ -223,10 +226,11 @@ class OutMajor:
         return y.reshape(lead + self.out_shape)
 
 
-def out_major(w, n_in: int) -> OutMajor:
-    """The float weight w [*in, *out] as an OutMajor (tiled where the tiles divide it)."""
+def out_major(w, n_in: int, tiled: bool = False) -> OutMajor:
+    """The float weight w [*in, *out] as an OutMajor, in tiles where they divide it if `tiled`."""
     in_shape, out_shape = tuple(w.shape[:n_in]), tuple(w.shape[n_in:])
-    return OutMajor(tile(jnp.asarray(w).reshape(math.prod(in_shape), -1).T), in_shape, out_shape)
+    t = jnp.asarray(w).reshape(math.prod(in_shape), -1).T
+    return OutMajor(tile(t) if tiled else t, in_shape, out_shape)
 
 
 def project_table(x, table):
@@ -239,8 +243,8 @@ class OutMajorWeight(nnx.Module):
     """What replaces a float projection weight's nnx.Param in the decode form: `t` [prod(out), prod(in)] or its tiles
     (`tile`); `self.w[...]` gives the OutMajor that `project` multiplies."""
 
-    def __init__(self, w, n_in: int):
-        o = out_major(w, n_in)
+    def __init__(self, w, n_in: int, tiled: bool = False):
+        o = out_major(w, n_in, tiled)
         self.t = nnx.Param(o.t)
         self.in_shape, self.out_shape = o.in_shape, o.out_shape
 

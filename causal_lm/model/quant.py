@@ -115,12 +115,14 @@ class QArray:
         """The same bytes; products computed in `dtype` (the layers' `w[...].astype(dt)`)."""
         return dataclasses.replace(self, dtype=jnp.dtype(dtype).name)
 
-    def out_major(self) -> QArray:
-        """The same values stored output-major (the decode form for the C++ kernels)."""
+    def out_major(self, tiled: bool = False) -> QArray:
+        """The same values stored output-major (the decode form for the C++ kernels), int8 in tiles if `tiled`."""
         if self.major == "out":
             return self
-        # int8 [NO, NI] in tiles / int4 [NO, G, g/2]
-        data = matvec.tile(self.data.T) if self.bits == 8 else jnp.transpose(self.data, (2, 0, 1))
+        if self.bits == 8:  # [NO, NI], maybe in tiles
+            data = matvec.tile(self.data.T) if tiled else self.data.T
+        else:  # [NO, G, g/2]
+            data = jnp.transpose(self.data, (2, 0, 1))
         minimum = None if self.minimum is None else self.minimum.T
         return dataclasses.replace(self, data=data, scale=self.scale.T, minimum=minimum, major="out")
 
@@ -295,9 +297,9 @@ class QuantizedWeight(nnx.Module):
             self.data[...], self.scale[...], minimum, self.bits, self.group, self.in_shape, self.out_shape, major=major
         )
 
-    def out_major(self) -> QuantizedWeight:
+    def out_major(self, tiled: bool = False) -> QuantizedWeight:
         """This weight stored output-major (QArray.out_major): the decode form for the C++ kernels (matvec.py)."""
-        q = self[...].out_major()
+        q = self[...].out_major(tiled)
         return QuantizedWeight(
             q.data,
             q.scale,

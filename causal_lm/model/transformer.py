@@ -88,9 +88,9 @@ class DecodeLayers:
 _FUSED = {"wqkv": 1, "w_gate_up": 1}  # the decode form's concatenated weights (`fuse_products`), n_in
 
 
-def _kernel_layout(block) -> None:
+def _kernel_layout(block, tiled: bool) -> None:
     """Each projection weight of a block's decode form stored output-major for the C++ kernels (matvec.py):
-    float32 ones as `OutMajorWeight`, quantized ones as `QuantizedWeight.out_major()`."""
+    float32 ones as `OutMajorWeight`, quantized ones as `QuantizedWeight.out_major()`; in tiles if `tiled`."""
     for _, module in list(nnx.iter_graph(block)):
         if not isinstance(module, nnx.Module):
             continue
@@ -98,9 +98,9 @@ def _kernel_layout(block) -> None:
         for name, n_in in names.items():
             w = vars(module).get(name)
             if isinstance(w, QuantizedWeight):
-                setattr(module, name, w.out_major())
+                setattr(module, name, w.out_major(tiled))
             elif isinstance(w, nnx.Param) and jnp.dtype(w[...].dtype) == jnp.float32:
-                setattr(module, name, matvec.OutMajorWeight(w[...], n_in))
+                setattr(module, name, matvec.OutMajorWeight(w[...], n_in, tiled))
 
 
 class Block(nnx.Module):
@@ -402,7 +402,7 @@ class Decoder(nnx.Module):
         mask_of_layer = tuple(windows.index(w) for w in c.layer_windows)
         return positions, AttentionContext(tuple(masks), mask_of_layer)
 
-    def split_layers(self, fuse: bool = True, native: bool = True) -> DecodeLayers:
+    def split_layers(self, fuse: bool = True, native: bool = True, rows: int | None = None) -> DecodeLayers:
         """The stacked blocks' state as L per-layer states, for `forward(..., layers=...)`.
 
         A loop that runs the model many times over the same weights (the decode loop of `generate`) slices them
@@ -420,10 +420,16 @@ class Decoder(nnx.Module):
         projection weights are stored output-major for them (`matvec.OutMajorWeight`, `QuantizedWeight.out_major`),
         and a head stored otherwise gets an output-major copy (`DecodeLayers.head`). Off for the batch-invariant
         mode, whose XLA row-at-a-time products the RL trainer reproduces bit for bit.
+
+        rows (with native): the most rows any product on these layers will have. At most `matvec.MAX_ROWS` (every
+        product goes to the kernels, as in `generate`'s decode loop), float32 and int8 weights are stored in the
+        kernels' tiles (`matvec.tile`, 1.1-1.3x faster reads) and a tied float32 head gets a tiled copy; None (the
+        engine, whose prompt chunks go to XLA's product, slower over tiles) keeps [out, in].
         """
         graphdef, state = nnx.split(self.blocks)
         states = [jax.tree.map(lambda a, i=i: a[i], state) for i in range(self.config.num_layers)]
         native = bool(fuse and native and jnp.dtype(self.config.dtype) == jnp.float32 and matvec.usable())
+        tiled = native and rows is not None and rows <= matvec.MAX_ROWS
         if fuse:
             fused = []
             for s in states:
@@ -437,18 +443,18 @@ class Decoder(nnx.Module):
             native_states = []
             for s in states:
                 block = nnx.merge(graphdef, s)
-                _kernel_layout(block)
+                _kernel_layout(block, tiled)
                 graphdef_native, s = nnx.split(block)
                 native_states.append(s)
             graphdef, states = graphdef_native, native_states
             table = self.embed[...]
             if not self.config.tie_embeddings:
                 w = self.lm_head[...]
-                head = w.out_major() if hasattr(w, "out_major") else matvec.out_major(w, 1)
+                head = w.out_major(tiled) if hasattr(w, "out_major") else matvec.out_major(w, 1, tiled)
             elif hasattr(table, "matmul"):  # a quantized table, stored as the input-major head
-                head = table.T.out_major()
-            elif matvec.tiles(*table.shape):  # a float table read 1.3x faster tiled (matvec.py), at the cost of a copy
-                head = matvec.out_major(table.T, 1)
+                head = table.T.out_major(tiled)
+            elif tiled and matvec.tiles(*table.shape):  # a float table read 1.3x faster tiled, at the cost of a copy
+                head = matvec.out_major(table.T, 1, tiled)
         return DecodeLayers(graphdef, states, head, native)
 
     def _run_blocks(self, x, ctx: AttentionContext, cache, layers, return_hidden):
