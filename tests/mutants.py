@@ -1270,7 +1270,37 @@ MUTANTS = [
         old="        tiled = native and rows is not None and rows <= matvec.MAX_ROWS",
         new="        tiled = native",
         tests=["tests/test_matvec.py::test_only_a_decode_form_of_at_most_max_rows_is_tiled"],
-        why="the engine's decode form tiled too: its prompt chunks' XLA products over tiles run 1.2-5x slower",
+        why="a decode form for more rows than the kernels take tiled: XLA's products over tiles run 1.2-5x slower",
+    ),
+    dict(
+        name="engine-chunks-on-the-decode-form",
+        file="causal_lm/serve/engine.py",
+        old="        return self._layers if tokens <= matvec.MAX_ROWS else self._chunk_layers",
+        new="        return self._layers",
+        tests=[
+            "tests/test_engine.py::test_decode_calls_run_on_the_kernels_tiles_and_long_chunks_on_the_stacked_weights"
+        ],
+        why="the engine's long prompt chunks multiplied by XLA over the kernels' tiles: 1.2-5x slower products",
+    ),
+    dict(
+        name="engine-decode-form-untiled",
+        file="causal_lm/serve/engine.py",
+        old="            self._layers, self._chunk_layers = model.split_layers(rows=matvec.MAX_ROWS), None",
+        new="            self._layers, self._chunk_layers = model.split_layers(), None",
+        tests=[
+            "tests/test_engine.py::test_decode_calls_run_on_the_kernels_tiles_and_long_chunks_on_the_stacked_weights"
+        ],
+        why="the engine's decode steps read untiled weights: 1.1-1.3x slower kernel reads at low concurrency",
+    ),
+    dict(
+        name="engine-chunk-slots-counted-as-rows",
+        file="causal_lm/serve/engine.py",
+        old="                self._layers_for(shape[0] * shape[1]),",
+        new="                self._layers_for(shape[0]),",
+        tests=[
+            "tests/test_engine.py::test_decode_calls_run_on_the_kernels_tiles_and_long_chunks_on_the_stacked_weights"
+        ],
+        why="a one-row prompt chunk of many tokens sent to the tiled decode form: XLA's product over tiles",
     ),
     dict(
         name="matvec-head-not-tiled",

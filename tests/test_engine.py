@@ -522,6 +522,53 @@ def test_prompt_chunks_run_with_little_padding_and_change_no_token():
     assert_no_leak(engine)
 
 
+def _kernel_tiles(layers) -> list:
+    """Whether each projection weight of a decode form is in the C++ kernels' tiles (rank 4, model/matvec.py)."""
+    leaves = jax.tree_util.tree_flatten_with_path(layers.states)[0]
+    return [a.ndim == 4 for p, a in leaves if any(getattr(k, "name", getattr(k, "key", None)) == "t" for k in p)]
+
+
+def test_decode_calls_run_on_the_kernels_tiles_and_long_chunks_on_the_stacked_weights(monkeypatch):
+    """Which weights each call of the engine runs on: a call of at most matvec.MAX_ROWS token slots (decoding rows,
+    bursts, short chunks) the decode form in the C++ kernels' tiles (every product goes to the kernels, which read
+    tiles faster); a longer chunk the model's stacked weights (layers=None: XLA's product, slower over tiles). The
+    batch-invariant mode runs its XLA decode form for every call. Greedy tokens stay those of `generate`. Bug
+    class: a prompt chunk multiplied over tiles (1.2-5x slower), or decode steps left off the tiles."""
+    from causal_lm.model import matvec
+    from causal_lm.serve import engine as engine_module
+
+    seen = []
+    for name in ("_step_program", "_burst_program"):
+        real = getattr(engine_module, name)
+
+        def spy(state, layers, pool, batch, *, _real=real, **kw):
+            seen.append((batch.tokens.shape if hasattr(batch, "tokens") else (batch.token.shape[0], 1), layers))
+            return _real(state, layers, pool, batch, **kw)
+
+        monkeypatch.setattr(engine_module, name, spy)
+    model = tiny_model(CONFIGS["gqa"])
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, V, n).tolist() for n in (30, 20)]
+    for invariant in (False, True):
+        seen.clear()
+        engine = Engine(model, max_seqs=2, page_size=4, num_pages=40, max_step_tokens=32, prefix_cache=False,
+                        token_buckets=(1, 4, 32), burst_steps=1 if invariant else 4, batch_invariant=invariant)  # fmt: skip
+        results = engine.run([dict(prompt_ids=p, max_tokens=MAX_NEW) for p in prompts], progress=False)
+        if not invariant:
+            for p, res in zip(prompts, results, strict=True):
+                assert res.tokens == reference(model, p)
+        small = [layers for (b, t), layers in seen if b * t <= matvec.MAX_ROWS]
+        large = [layers for (b, t), layers in seen if b * t > matvec.MAX_ROWS]
+        assert small and large, seen
+        if invariant:
+            assert all(layers is engine._layers and not layers.native for layers in small + large)
+            continue
+        assert all(layers is None for layers in large)
+        assert all(layers is engine._layers for layers in small)
+        if matvec.usable():
+            assert engine._layers.native and all(_kernel_tiles(engine._layers)) and _kernel_tiles(engine._layers)
+
+
 # ---- no leaks, bounded programs ---------------------------------------------------------------------------------
 def test_no_leak_after_a_thousand_requests_and_no_retrace_after_warmup():
     """1,000 short requests with cancellations, repeated prompts and pages scarce enough to preempt: afterwards every

@@ -109,9 +109,9 @@ def _tiled_weights(layers) -> list:
 
 def test_only_a_decode_form_of_at_most_max_rows_is_tiled():
     """Tiles only where every product goes to the kernels: `split_layers(rows=...)` up to MAX_ROWS (generate's decode
-    loop) tiles every float32 / int8 weight and gives a tied float32 head a tiled copy; more rows, or no bound (the
-    engine, whose prompt chunks go to XLA's product, 1.2-5x slower over tiles), keep [out, in] and read the table
-    in place."""
+    loop, the engine's calls of at most MAX_ROWS token slots) tiles every float32 / int8 weight and gives a tied
+    float32 head a tiled copy; more rows, or no bound (speculative decoding's verify passes), keep [out, in] and read
+    the table in place (XLA's product, which more rows take, is 1.2-5x slower over tiles)."""
     model = build_model(tiny_config("gqa", d_model=128, num_heads=4, mlp_dim=512, vocab_size=512, max_seq_len=16))
     for m in (model, quantize(model, "int8")):
         tiled = _tiled_weights(m.split_layers(rows=matvec.MAX_ROWS))

@@ -70,6 +70,7 @@ import numpy as np
 from flax import nnx
 
 from causal_lm.decode.sampling import SamplingParams
+from causal_lm.model import matvec
 from causal_lm.model.paged_cache import PagePool, init_pool, layer_groups, page_bytes, pages_for
 from causal_lm.serve.pages import PageBook
 
@@ -396,8 +397,16 @@ class Engine:
         self.num_pages = sum(self.group_pages)
 
         self._graphdef, self._state = nnx.split(model)
-        # The C++ decode kernels' layout (model/matvec.py) except in the batch-invariant mode (XLA's products there)
-        self._layers = model.split_layers(native=not self.batch_invariant)
+        # The weights each call runs on (`_layers_for`). A call of at most matvec.MAX_ROWS tokens (decoding rows,
+        # short chunks) runs every product through the C++ decode kernels, on the decode form in their tiles
+        # (`split_layers(rows=...)`, model/matvec.py); a larger one runs XLA's products on the model's own stacked
+        # weights, which XLA multiplies faster than the tiles (and no slower than the untiled decode form the
+        # engine used for every call before: docs/performance.md). In the batch-invariant mode every call runs the
+        # XLA decode form that mode's scoring reproduces.
+        if self.batch_invariant:
+            self._layers = self._chunk_layers = model.split_layers(native=False)
+        else:
+            self._layers, self._chunk_layers = model.split_layers(rows=matvec.MAX_ROWS), None
         self._pool = init_pool(c, self.group_pages, self.page_size, cache_dtype)
         self.cache_dtype = self._pool.storage
         self._books = [PageBook(n) for n in self.group_pages]
@@ -698,7 +707,7 @@ class Engine:
                 self._counts["chunk_slots"] += shape[0] * shape[1]
             self._pool, out = _step_program(
                 self._state,
-                self._layers,
+                self._layers_for(shape[0] * shape[1]),
                 self._pool,
                 batch,
                 graphdef=self._graphdef,
@@ -713,6 +722,12 @@ class Engine:
             for b, (seq, n) in enumerate(group):
                 events.extend(self._advance(seq, n, b, out))
         return events
+
+    def _layers_for(self, tokens: int):
+        """The weights of a call feeding `tokens` token slots (rows x chunk length, padding included): the decode
+        form where every product goes to the decode kernels (at most matvec.MAX_ROWS), else the stacked weights
+        (None: `forward` reads the model's own)."""
+        return self._layers if tokens <= matvec.MAX_ROWS else self._chunk_layers
 
     def _count_peaks(self) -> None:
         self._counts["pages_peak"] = max(self._counts["pages_peak"], sum(b.held for b in self._books))
@@ -751,7 +766,7 @@ class Engine:
         before = _traces
         self._pool, ran, out = _burst_program(
             self._state,
-            self._layers,
+            self._layers_for(shape[0]),
             self._pool,
             batch,
             graphdef=self._graphdef,
