@@ -564,6 +564,7 @@ def test_decode_calls_run_on_the_kernels_tiles_and_long_chunks_on_the_stacked_we
         if invariant:
             assert all(layers is engine._layers and not layers.native for layers in small + large)
             continue
+        assert engine.stats()["bursts"] > 0  # the burst program ran too
         assert all(layers is None for layers in large)
         assert all(layers is engine._layers for layers in small)
         if matvec.usable():
