@@ -14,9 +14,10 @@ one 64-byte line of inputs (16 float32, 64 int8) divides K, [N/4, K/L, 4, L] (`t
 inputs, each output's L inputs one line, so a block of 4 outputs is one stream of addresses instead of 4 (the 135M
 shape's products, Zen 5, 2 threads: float32 40 -> 48 GB/s, 58 -> 77 in a quiet minute, int8 43 -> 51:
 docs/performance.md); else [N, K]. int4 keeps [N, G, g/2]. Tiles are only for a decode form whose products all go
-to the kernels (`split_layers(rows=...)` of at most `MAX_ROWS`: `generate`'s decode loop): XLA's product over them
-(more rows than the kernels take, e.g. the engine's prompt chunks) is 1.2-5x slower than over [N, K]. The copy
-`split_layers` makes anyway is made in this layout. The head is the exception: `DecodeLayers.head` holds a copy in
+to the kernels (`split_layers(rows=...)` of at most `MAX_ROWS`: `generate`'s decode loop, the engine's calls of at
+most that many token slots): XLA's product over them (more rows than the kernels take) is 1.2-5x slower than over
+[N, K], so the engine's longer prompt chunks run on the model's stacked weights instead. The copy `split_layers`
+makes anyway is made in this layout. The head is the exception: `DecodeLayers.head` holds a copy in
 the kernels' layout of a head stored otherwise, a quantized model's (stored input-major) and, in tiles, a tied
 float32 table [V, D] (V x D x 4 bytes more while decoding, 113 MB for the 135M shape, for a head read 1.3x faster;
 untiled, the table is read in place).

@@ -422,9 +422,10 @@ class Decoder(nnx.Module):
         mode, whose XLA row-at-a-time products the RL trainer reproduces bit for bit.
 
         rows (with native): the most rows any product on these layers will have. At most `matvec.MAX_ROWS` (every
-        product goes to the kernels, as in `generate`'s decode loop), float32 and int8 weights are stored in the
-        kernels' tiles (`matvec.tile`, 1.1-1.3x faster reads) and a tied float32 head gets a tiled copy; None (the
-        engine, whose prompt chunks go to XLA's product, slower over tiles) keeps [out, in].
+        product goes to the kernels, as in `generate`'s decode loop and the engine's calls of that many token
+        slots), float32 and int8 weights are stored in the kernels' tiles (`matvec.tile`, 1.1-1.3x faster reads)
+        and a tied float32 head gets a tiled copy; None (speculative decoding, whose verify passes may exceed it:
+        XLA's product is slower over tiles) keeps [out, in].
         """
         graphdef, state = nnx.split(self.blocks)
         states = [jax.tree.map(lambda a, i=i: a[i], state) for i in range(self.config.num_layers)]

@@ -49,6 +49,11 @@ end, and gives back its pages. Pages for the slots of the tokens a row may feed 
 burst before its prompt is fed (a step with a prompt chunk never bursts), and while requests wait a burst stops
 where the first row reaches max_tokens, so a row frees its place the step it would without bursts (a stop id
 mid-burst frees it at the burst's end). `step(max_burst=n)` caps a burst (EngineLoop's streaming pauses).
+Weights per call: a call of at most matvec.MAX_ROWS (16) token slots (decoding rows and bursts of up to 16 rows, a
+short chunk) runs every weight product through the C++ decode kernels, on the decode form in their tiles
+(`Decoder.split_layers(rows=16)`); a larger call runs XLA's products on the model's own stacked weights, which it
+multiplies faster than tiles. One decode copy of the weights, as before, and a tiled copy of a tied float32 head
+(113 MB on the 135M shape; docs/performance.md measures both forms).
 Compiled programs: one per (rows, tokens, table width) bucket met, at most len(batch_buckets) x len(token_buckets)
 x len(width_buckets) (x 2 with prompt logprobs), and a burst program per (rows, table width) (its step count is
 traced); by default rows 1, 2, 4, ... max_seqs, tokens 1, 4, 16, ...
