@@ -1282,15 +1282,6 @@ MUTANTS = [
         "multiplies the quantized bytes there 1.3-1.5x slower",
     ),
     dict(
-        name="speculative-verify-on-the-kernels-layout",
-        file="causal_lm/decode/speculative.py",
-        old="    return rows if rows > matvec.MAX_ROWS else None",
-        new="    return None",
-        tests=["tests/test_speculative.py::test_passes_beyond_the_kernels_rows_take_xla_layouts"],
-        why="verify passes of more than 16 rows on the kernels' output-major form, which XLA multiplies (quantized) "
-        "1.3-1.5x slower than its own",
-    ),
-    dict(
         name="engine-chunks-on-the-decode-form",
         file="causal_lm/serve/engine.py",
         old="        return self._layers if tokens <= matvec.MAX_ROWS else self._chunk_layers",

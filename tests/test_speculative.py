@@ -281,33 +281,3 @@ def test_prompt_lookup_proposes_k_tokens_and_continues_repeats_periodically():
     assert drafts[1].tolist() == [3, 1, 2, 3, 1]
     assert drafts[2].tolist() == [9, 4, 7, 8, 9]
     assert drafts[4].tolist() == [2, 6, 2, 6, 2]
-
-
-def test_passes_beyond_the_kernels_rows_take_xla_layouts(monkeypatch):
-    """The forms each model runs on: the target's verify passes are B x (k + 1) rows, the draft's steps B rows. A
-    form none of whose products reaches the C++ kernels (more than matvec.MAX_ROWS rows) keeps XLA's layouts
-    (`split_layers(rows=...)` above MAX_ROWS: not native), since XLA multiplies the kernels' output-major quantized
-    bytes 1.3-1.5x slower than its own; a form whose passes fit keeps the kernels' (untiled) layout. Greedy tokens
-    equal plain decoding both ways. Bug class: a batch of verify passes multiplied over the kernels' layout."""
-    from causal_lm.model import matvec
-    from causal_lm.model.quant import quantize
-    from causal_lm.model.transformer import Decoder
-
-    real, seen = Decoder.split_layers, []
-
-    def spy(self, *args, **kw):
-        layers = real(self, *args, **kw)
-        seen.append((kw.get("rows"), layers.native))
-        return layers
-
-    monkeypatch.setattr(Decoder, "split_layers", spy)
-    model = quantize(tiny_model(tiny_config("gqa", "rope_full")), "int8")
-    wide = [[5, 6, 7, 8] * 4, [40, 2, 33], [9], [17, 3]]  # 4 rows x (4 + 1) = 20 rows a verify pass
-    for prompts, k in ((wide, K), (wide[:1], K)):
-        seen.clear()
-        _assert_same_as_plain(model, "self", prompts=prompts, new=8, k=k)
-        spec = seen[-2:]  # the speculative call's target, then its draft (plain decoding's form came first)
-        B = len(prompts)
-        assert spec[0][0] == (B * (k + 1) if B * (k + 1) > matvec.MAX_ROWS else None), seen
-        assert spec[0][1] == (matvec.usable() and B * (k + 1) <= matvec.MAX_ROWS), seen
-        assert spec[1] == (None, matvec.usable()), seen

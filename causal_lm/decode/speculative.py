@@ -35,7 +35,6 @@ from causal_lm import parallel
 from causal_lm.decode.loop import Progress
 from causal_lm.decode.prefill import count_trace, prefill, shard_cache
 from causal_lm.decode.sampling import BatchSampling, argmax_tokens, probabilities
-from causal_lm.model import matvec
 from causal_lm.model.kv_cache import init_cache
 
 
@@ -84,12 +83,6 @@ def ngram_proposals(history, hist_len, k: int, max_n: int = 3):
     follow = start[:, None] + jnp.arange(k) % period
     drafts = jnp.take_along_axis(history, jnp.clip(follow, 0, H - 1), axis=1)
     return drafts, jnp.where(found, k, 0)
-
-
-def _beyond_the_kernels(rows: int) -> int | None:
-    """`split_layers`' rows for passes of `rows` rows: the count where no product of them reaches the C++ kernels
-    (XLA's layouts), else None (the kernels' untiled form)."""
-    return rows if rows > matvec.MAX_ROWS else None
 
 
 def _draft_proposals(draft, layers, cache, history, hist_len, active, k, key, sampling: BatchSampling, mesh):
@@ -283,14 +276,11 @@ def _passes(
     """The speculative loop (see the module docstring) from `start` until done or `until_passes` passes."""
     B = start.count.shape[0]
     width = start.out.shape[1]
-    # The target runs verify passes of B x (k + 1) rows, the draft steps of B rows (and one catch-up pass of 2B). A
-    # form whose products never reach the C++ kernels (more than matvec.MAX_ROWS rows) is XLA's own (split_layers'
-    # rows); else the kernels' untiled form (tiles here were measured no faster: docs/performance.md).
-    layers = model.split_layers(fuse=mesh is None, rows=_beyond_the_kernels(B * (k + 1)))
+    layers = model.split_layers(fuse=mesh is None)
     draft = draft_layers = None
     if draft_graphdef is not None:
         draft = nnx.merge(draft_graphdef, draft_state)
-        draft_layers = draft.split_layers(fuse=mesh is None, rows=_beyond_the_kernels(B))
+        draft_layers = draft.split_layers(fuse=mesh is None)
 
     def cond(s: SpeculativeState):
         return ~jnp.all(s.done) & (s.passes < limit) & (s.passes < until_passes)
