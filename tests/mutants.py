@@ -1273,15 +1273,6 @@ MUTANTS = [
         why="a decode form for more rows than the kernels take tiled: XLA's products over tiles run 1.2-5x slower",
     ),
     dict(
-        name="decode-form-native-beyond-the-kernels-rows",
-        file="causal_lm/model/transformer.py",
-        old="        fits = rows is None or rows <= matvec.MAX_ROWS",
-        new="        fits = True",
-        tests=["tests/test_matvec.py::test_only_a_decode_form_of_at_most_max_rows_is_tiled"],
-        why="generate of more than 16 rows on the kernels' output-major form no product of it reaches: XLA "
-        "multiplies the quantized bytes there 1.3-1.5x slower",
-    ),
-    dict(
         name="engine-chunks-on-the-decode-form",
         file="causal_lm/serve/engine.py",
         old="        return self._layers if tokens <= matvec.MAX_ROWS else self._chunk_layers",

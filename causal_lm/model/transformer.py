@@ -425,16 +425,12 @@ class Decoder(nnx.Module):
         product goes to the kernels, as in `generate`'s decode loop and the engine's calls of that many token
         slots), float32 and int8 weights are stored in the kernels' tiles (`matvec.tile`, 1.1-1.3x faster reads)
         and a tied float32 head gets a tiled copy; None (speculative decoding, whose verify passes may exceed it:
-        XLA's product is slower over tiles) keeps [out, in]; more (`generate` of a larger batch: no product goes to
-        the kernels) is not native at all, XLA's own layouts.
+        XLA's product is slower over tiles) keeps [out, in].
         """
         graphdef, state = nnx.split(self.blocks)
         states = [jax.tree.map(lambda a, i=i: a[i], state) for i in range(self.config.num_layers)]
-        # A form for more rows than the kernels take (no product of it goes to them) keeps XLA's layouts: over the
-        # output-major quantized bytes XLA's product of 32 rows ran 1.3-1.5x slower (docs/performance.md).
-        fits = rows is None or rows <= matvec.MAX_ROWS
-        native = bool(fuse and native and fits and jnp.dtype(self.config.dtype) == jnp.float32 and matvec.usable())
-        tiled = native and rows is not None
+        native = bool(fuse and native and jnp.dtype(self.config.dtype) == jnp.float32 and matvec.usable())
+        tiled = native and rows is not None and rows <= matvec.MAX_ROWS
         if fuse:
             fused = []
             for s in states:
