@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from variants import tiny_config, tiny_mla_config, tiny_model
+from variants import tiled_weights, tiny_config, tiny_mla_config, tiny_model
 
 from causal_lm import generate
 from causal_lm.decode.loop import STREAM_EVERY, DecodeLoop, drive
@@ -522,12 +522,6 @@ def test_prompt_chunks_run_with_little_padding_and_change_no_token():
     assert_no_leak(engine)
 
 
-def _kernel_tiles(layers) -> list:
-    """Whether each projection weight of a decode form is in the C++ kernels' tiles (rank 4, model/matvec.py)."""
-    leaves = jax.tree_util.tree_flatten_with_path(layers.states)[0]
-    return [a.ndim == 4 for p, a in leaves if any(getattr(k, "name", getattr(k, "key", None)) == "t" for k in p)]
-
-
 def test_decode_calls_run_on_the_kernels_tiles_and_long_chunks_on_the_stacked_weights(monkeypatch):
     """Which weights each call of the engine runs on: a call of at most matvec.MAX_ROWS token slots (decoding rows,
     bursts, short chunks) the decode form in the C++ kernels' tiles (every product goes to the kernels, which read
@@ -568,7 +562,7 @@ def test_decode_calls_run_on_the_kernels_tiles_and_long_chunks_on_the_stacked_we
         assert all(layers is None for layers in large)
         assert all(layers is engine._layers for layers in small)
         if matvec.usable():
-            assert engine._layers.native and all(_kernel_tiles(engine._layers)) and _kernel_tiles(engine._layers)
+            assert engine._layers.native and all(tiled_weights(engine._layers)) and tiled_weights(engine._layers)
 
 
 # ---- no leaks, bounded programs ---------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from variants import tiny_config, tiny_model
+from variants import tiled_weights, tiny_config, tiny_model
 
 import causal_lm
 from causal_lm.decode import generate
@@ -100,13 +100,6 @@ def test_weights_that_do_not_tile_stay_output_major():
         np.testing.assert_array_equal(np.asarray(qa.in_major().data), np.ones((K, N), np.int8) * 127)
 
 
-def _tiled_weights(layers) -> list:
-    """Whether each float32 / int8 weight of a decode form (and its head) is stored in tiles (rank 4)."""
-    leaves = jax.tree_util.tree_flatten_with_path((layers.states, layers.head))[0]
-    weights = [a for p, a in leaves if any(getattr(k, "name", getattr(k, "key", None)) in ("t", "data") for k in p)]
-    return [a.ndim == 4 for a in weights]
-
-
 def test_only_a_decode_form_of_at_most_max_rows_is_tiled():
     """Tiles only where every product goes to the kernels: `split_layers(rows=...)` up to MAX_ROWS (generate's decode
     loop, the engine's calls of at most MAX_ROWS token slots) tiles every float32 / int8 weight and gives a tied
@@ -114,10 +107,10 @@ def test_only_a_decode_form_of_at_most_max_rows_is_tiled():
     the table in place (XLA's product, which more rows take, is 1.2-5x slower over tiles)."""
     model = build_model(tiny_config("gqa", d_model=128, num_heads=4, mlp_dim=512, vocab_size=512, max_seq_len=16))
     for m in (model, quantize(model, "int8")):
-        tiled = _tiled_weights(m.split_layers(rows=matvec.MAX_ROWS))
+        tiled = tiled_weights(m.split_layers(rows=matvec.MAX_ROWS))
         assert tiled and all(tiled)
         for rows in (None, matvec.MAX_ROWS + 1):
-            assert not any(_tiled_weights(m.split_layers(rows=rows)))
+            assert not any(tiled_weights(m.split_layers(rows=rows)))
     assert model.split_layers(rows=1).head is not None and model.split_layers().head is None
 
 

@@ -64,3 +64,13 @@ def tiny_model(config: ModelConfig, seed: int = 0):
         L, N = config.num_layers, config.num_heads
         model.blocks.attn.sink[...] = jnp.linspace(-1.0, 1.5, L * N).reshape(L, N)
     return model
+
+
+def tiled_weights(layers) -> list:
+    """Whether each float32 / int8 weight of a decode form (`split_layers`, and its head) is stored in the C++
+    kernels' tiles (rank 4, model/matvec.py)."""
+    import jax
+
+    leaves = jax.tree_util.tree_flatten_with_path((layers.states, layers.head))[0]
+    weights = [a for p, a in leaves if any(getattr(k, "name", getattr(k, "key", None)) in ("t", "data") for k in p)]
+    return [a.ndim == 4 for a in weights]
