@@ -402,12 +402,8 @@ class Engine:
         self.num_pages = sum(self.group_pages)
 
         self._graphdef, self._state = nnx.split(model)
-        # The weights each call runs on (`_layers_for`). A call of at most matvec.MAX_ROWS tokens (decoding rows,
-        # short chunks) runs every product through the C++ decode kernels, on the decode form in their tiles
-        # (`split_layers(rows=...)`, model/matvec.py); a larger one runs XLA's products on the model's own stacked
-        # weights, which XLA multiplies faster than the tiles (and no slower than the untiled decode form the
-        # engine used for every call before: docs/performance.md). In the batch-invariant mode every call runs the
-        # XLA decode form that mode's scoring reproduces.
+        # The weights each call runs on (`_layers_for`; "Weights per call" in the module docstring). In the
+        # batch-invariant mode every call runs the XLA decode form that mode's scoring reproduces.
         if self.batch_invariant:
             self._layers = self._chunk_layers = model.split_layers(native=False)
         else:
