@@ -110,6 +110,35 @@ def test_bench_decode_without_recompute_skips_the_peers_recompute_too():
     assert "cached" in bench.format_decode(r)
 
 
+def test_weights_rows_time_their_decode_steps_alternated(monkeypatch):
+    """--weights float32,int8,int4: a row per storage, each with its own weight bytes and its rate over float32's.
+    On a VM whose speed moves within minutes, that ratio compares like with like only if the rows' timed calls
+    alternate (float32, int8, int4, float32, ...) rather than run one storage's reps after the other's."""
+    calls = []
+    real_runner = bench.decode._ours_runner
+
+    def logged(model, prompts, use_cache, **kw):
+        run = real_runner(model, prompts, use_cache, **kw)
+        if use_cache and "max_new_bucket" in kw:  # the cached timings (prefill's runner has the smallest room)
+            return lambda k: (calls.append(model.config.weights), run(k))[1]
+        return run
+
+    monkeypatch.setattr(bench.decode, "_ours_runner", logged)
+    r = bench.bench_decode(
+        TINY, contexts=(8,), batches=(1,), new_tokens=2, recompute_new_tokens=0, reps=2, ceilings=CEILINGS,
+        compare_loops=False, first_call=False, peer=False, weights=("float32", "int8", "int4"),
+    )  # fmt: skip
+    f32, i8, i4 = r["rows"]
+    assert [w["weights"] for w in r["rows"]] == ["float32", "int8", "int4"]
+    assert f32["weight_bytes"] == r["weight_bytes"] > i8["weight_bytes"] > i4["weight_bytes"]
+    assert f32["ratio_vs_float32"] == 1.0
+    assert i8["ratio_vs_float32"] == pytest.approx(i8["cached_tokens_per_s"] / f32["cached_tokens_per_s"])
+    # after one warm-up call of each length per runner, the reps alternate: t(1) and t(1 + n) of each in turn
+    timed = calls[6:18]
+    assert timed == ["float32", "float32", "int8", "int8", "int4", "int4"] * 2, calls
+    assert "int8" in bench.format_decode(r)
+
+
 def test_each_decode_rows_floor_is_at_the_bandwidth_read_beside_it():
     """On a shared VM the read speed moves within minutes: a row's floor is at the read bandwidth measured just
     before and after its own timing (the faster), not at the figure from the run's start (here CEILINGS' 10 GB/s,

@@ -370,28 +370,38 @@ def bench_decode(
         for context in contexts:
             for batch in batches:
                 prompts = rng.integers(0, m.vocab_size, (batch, context), dtype=np.int64)
-                for w, variant in variants.items():
-                    for cache_dtype in (None, *cache_dtypes):
-                        row = _decode_row(
-                            variant,
-                            m,
-                            peer_model if cache_dtype is None and w == "float32" else None,
-                            prompts,
-                            n,
-                            n_re if w == "float32" else 0,
-                            reps,
-                            nbytes(variant),
-                            machine,
-                            cache_dtype,
-                            beside,
-                        )
-                        base = [r for r in rows if r["weights"] == "float32" and r["context"] == context]
-                        base = [r for r in base if r["batch"] == batch and r["cache_dtype"] == row["cache_dtype"]]
-                        row["weights"], row["weight_bytes"] = w, nbytes(variant)
-                        row["ratio_vs_float32"] = ratio(
-                            row["cached_tokens_per_s"], base[0]["cached_tokens_per_s"] if base else None
-                        )
-                        rows.append(row)
+                # every (weights, cache) row of this context and batch: their cached timings alternate
+                combos = [(w, v, d) for w, v in variants.items() for d in (None, *cache_dtypes)]
+                cached = [_ours_runner(v, prompts, True, cache_dtype=d, **_same_program(n)) for _, v, d in combos]
+                before = beside() if beside else None
+                seconds = _decode_seconds_alternating(cached, n, reps)
+                # the floor at the read bandwidth of the rows' own minutes: the faster of the reads just before
+                # and after their alternated timings
+                bw = max(before, beside()) if beside else machine["mem_bw_bytes_per_s"]
+                group = []
+                for (w, variant, cache_dtype), run, steps_s in zip(combos, cached, seconds, strict=True):
+                    row = _decode_row(
+                        variant,
+                        m,
+                        peer_model if cache_dtype is None and w == "float32" else None,
+                        prompts,
+                        n,
+                        n_re if w == "float32" else 0,
+                        reps,
+                        nbytes(variant),
+                        cache_dtype,
+                        run,
+                        steps_s,
+                        bw,
+                    )
+                    row["weights"], row["weight_bytes"] = w, nbytes(variant)
+                    group.append(row)
+                for row in group:
+                    base = [r for r in group if r["weights"] == "float32" and r["cache_dtype"] == row["cache_dtype"]]
+                    row["ratio_vs_float32"] = ratio(
+                        row["cached_tokens_per_s"], base[0]["cached_tokens_per_s"] if base else None
+                    )
+                rows += group
         spec = []
         if speculative is not None:
             spec = speculative_rows(model, tokenizer, speculative, draft_tokens, n, reps)
@@ -422,7 +432,9 @@ def bench_decode(
     }
 
 
-def _decode_row(model, m, peer_model, prompts, n, n_re, reps, weight_bytes, machine, cache_dtype, beside=None) -> dict:
+def _decode_row(model, m, peer_model, prompts, n, n_re, reps, weight_bytes, cache_dtype, cached, steps_s, bw) -> dict:
+    """One row of the table, given its cached runner, the seconds its n decode steps took (timed alternated with
+    the other rows of its context and batch) and the read bandwidth of those minutes (bytes/s)."""
     batch, context = prompts.shape
     row = {
         "context": context,
@@ -430,12 +442,8 @@ def _decode_row(model, m, peer_model, prompts, n, n_re, reps, weight_bytes, mach
         "cache_dtype": cache_dtype or m.dtype,
         "new_tokens": n,
         "recompute_new_tokens": n_re,
+        "mem_bw_bytes_per_s": bw,
     }
-    cached = _ours_runner(model, prompts, True, cache_dtype=cache_dtype, **_same_program(n))
-    before = beside() if beside else None
-    steps_s = _decode_seconds(cached, n, reps)
-    # the floor at the read bandwidth of the row's own minutes: the faster of the reads just before and after it
-    row["mem_bw_bytes_per_s"] = max(before, beside()) if beside else machine["mem_bw_bytes_per_s"]
     bpt = decode_bytes_per_token(m, weight_bytes, context + 1 + n / 2, batch, cache_dtype)
     steps_s, row["retimed"], row["implausible"] = above_the_floor(
         steps_s,
