@@ -101,8 +101,9 @@ def test_without_the_wheel_the_error_says_how_to_install(monkeypatch):
 
 
 def test_bench_llamacpp_times_again_a_rate_above_the_floor_on_both_sides(monkeypatch):
-    """`bench llama-cpp` end to end on a tiny model: with the reads saying 1 KB/s, every rate is above its floor, so
-    both engines are timed again (llama.cpp in a fresh context) and the row is marked on both sides."""
+    """`bench llama-cpp` end to end on a tiny model: the two engines' reps alternate; with the reads saying 1 KB/s,
+    every rate is above its floor, so both are timed again (llama.cpp in a fresh context) and the row is marked on
+    both sides."""
     _peer_or_skip()
     from causal_lm.bench import common
     from causal_lm.config import Config, TrainConfig
@@ -113,10 +114,23 @@ def test_bench_llamacpp_times_again_a_rate_above_the_floor_on_both_sides(monkeyp
     monkeypatch.setattr(llamacpp, "machine_ceilings", lambda quick=False: {"mem_bw_bytes_per_s": 1e3})
     model = tiny_config("gqa", d_model=64, num_heads=4, mlp_dim=128, vocab_size=320, max_seq_len=64)
     config = Config(model=model, train=TrainConfig(seq_len=16))
+    calls = []  # which engine each generation call ran on, in order
+    peer_generate, ours_runner = llamacpp.LlamaCpp.generate, llamacpp._ours_runner
+    monkeypatch.setattr(
+        llamacpp.LlamaCpp, "generate", lambda self, *a: (calls.append("llama.cpp"), peer_generate(self, *a))[1]
+    )
+
+    def logged_runner(*a, **kw):
+        run = ours_runner(*a, **kw)
+        return lambda k: (calls.append("ours"), run(k))[1]
+
+    monkeypatch.setattr(llamacpp, "_ours_runner", logged_runner)
     with pytest.warns(Note, match="timing artifact"):
-        r = llamacpp.bench_llamacpp(config, types=("F32",), context=8, new_tokens=4, reps=1, threads=2)
+        r = llamacpp.bench_llamacpp(config, types=("F32",), context=8, new_tokens=4, reps=2, threads=2)
     (w,) = r["rows"]
     assert w["retimed"] and w["ours_implausible"] and w["llama_cpp_implausible"]
+    # after a warm-up of each, the two engines' reps alternate (so both meet the same minutes of a shared machine)
+    assert calls[4:12] == ["llama.cpp", "llama.cpp", "ours", "ours"] * 2, calls
     assert w["greedy_equal"] == w["new_tokens"] == 5
     table = llamacpp.format_llamacpp(r)
     assert table.count("%!") == 2 and "timing artifact" in table

@@ -229,19 +229,28 @@ class LlamaCpp:
 def _best_pair(run, n: int, reps: int) -> tuple[float, float, list]:
     """(decode seconds for n steps, best time to the first token, tokens) from run(k) -> (tokens, first_s), timed
     as bench decode times generate: best t(1 + n) - best t(1), reps alternating."""
-    run(1)
-    tokens, _ = run(1 + n)
+    return _best_pairs([run], n, reps)[0]
+
+
+def _best_pairs(runs, n: int, reps: int) -> list:
+    """`_best_pair` of several engines whose reps alternate (a's t(1) and t(1 + n), then b's, then a's again, ...),
+    so that their ratio compares calls timed in the same minutes of a machine whose speed moves."""
+    tokens = []
+    for run in runs:
+        run(1)
+        tokens.append(run(1 + n)[0])
     settle()
-    one, all_, first = float("inf"), float("inf"), float("inf")
+    best = [[float("inf")] * 3 for _ in runs]  # t(1), t(1 + n), time to the first token
     for _ in range(reps):
-        t = time.perf_counter()
-        _, f1 = run(1)
-        one = min(one, time.perf_counter() - t)
-        t = time.perf_counter()
-        _, f2 = run(1 + n)
-        all_ = min(all_, time.perf_counter() - t)
-        first = min(first, f1, f2)
-    return _steps_seconds(one, all_, n), first, tokens
+        for run, b in zip(runs, best, strict=True):
+            t = time.perf_counter()
+            _, f1 = run(1)
+            b[0] = min(b[0], time.perf_counter() - t)
+            t = time.perf_counter()
+            _, f2 = run(1 + n)
+            b[1] = min(b[1], time.perf_counter() - t)
+            b[2] = min(b[2], f1, f2)
+    return [(_steps_seconds(one, all_, n), first, t) for (one, all_, first), t in zip(best, tokens, strict=True)]
 
 
 def bench_llamacpp(
@@ -262,7 +271,8 @@ def bench_llamacpp(
     Returns the JSON object of `causal-lm bench llama-cpp --json`: machine, llama_cpp (its system info), threads,
     rows [{type, file_bytes, ours_tokens_per_s, llama_cpp_tokens_per_s, ratio, ours_prefill_tokens_per_s,
     llama_cpp_prefill_tokens_per_s, prefill_ratio, floor_fraction_ours, floor_fraction_llama_cpp, mem_bw_bytes_per_s
-    (the floors' read bandwidth: the fastest of reads before, between and after the two engines' timings),
+    (the floors' read bandwidth: the faster of reads just before and just after the two engines' timings,
+    which alternate),
     greedy_equal (tokens equal before the first difference), new_tokens}]."""
     types = tuple(types)
     for t in types:
@@ -303,16 +313,6 @@ def bench_llamacpp(
             t = {"float32": "F32", "int8": "Q8_0", "int4": "Q4_1" if c.weights_minimums else "Q4_0"}[c.weights]
         prompt = np.random.default_rng(0).integers(259, c.vocab_size, (1, context), dtype=np.int32)
         n_ctx = context + new_tokens + 8
-        peer = LlamaCpp(path, n_ctx, threads)
-        reads = [read_bandwidth(quick=quick)]  # before, between and after the two engines' timings
-        ids = prompt[0].tolist()
-        try:
-            peer_s, peer_first, peer_tokens = _best_pair(
-                lambda k, peer=peer, ids=ids: peer.generate(ids, k), new_tokens, reps
-            )
-        finally:
-            peer.close()
-        reads.append(read_bandwidth(quick=quick))
         run = _ours_runner(ours, prompt, True, **_same_program(new_tokens))
 
         def ours_run(k, run=run):
@@ -320,7 +320,15 @@ def bench_llamacpp(
             out = run(k)
             return list(out.tokens[0]), time.perf_counter() - t0
 
-        ours_s, ours_first, ours_tokens = _best_pair(ours_run, new_tokens, reps)
+        ids = prompt[0].tolist()
+        peer = LlamaCpp(path, n_ctx, threads)
+        reads = [read_bandwidth(quick=quick)]  # just before and just after the two engines' alternated timings
+        try:
+            (peer_s, peer_first, peer_tokens), (ours_s, ours_first, ours_tokens) = _best_pairs(
+                [lambda k, peer=peer, ids=ids: peer.generate(ids, k), ours_run], new_tokens, reps
+            )
+        finally:
+            peer.close()
         reads.append(read_bandwidth(quick=quick))
         nbytes = int(sum(x.nbytes for x in jax.tree.leaves(nnx.state(ours, nnx.Param))))
         floor_s = new_tokens * nbytes / max(reads)  # one floor for both: the fastest read of the minutes they ran in
@@ -380,7 +388,7 @@ def format_llamacpp(r: dict) -> str:
     lines = [
         f"llama.cpp ({r['llama_cpp']}), {r['threads']} threads",
         f"read bandwidth {m['mem_bw_bytes_per_s'] / 1e9:.1f} GB/s measured at the start; each row's floor at the "
-        "fastest read measured before, between and after its two timings (at GB/s)",
+        "faster read measured just before and just after its two timings, which alternate (at GB/s)",
         f"batch 1, context {r['context']}, {r['new_tokens']} greedy tokens; ours: load_gguf(dequantize=False)",
         "",
         "| type | weights MB | ours tok/s | llama.cpp tok/s | ours / llama.cpp | floor % ours | floor % llama.cpp "
