@@ -1528,8 +1528,8 @@ MUTANTS = [
     dict(
         name="llamacpp-engines-timed-one-after-another",
         file="causal_lm/bench/llamacpp.py",
-        old="    return [(_steps_seconds(one, all_, n), first, t) for (one, all_, first), t in zip(best, tokens, strict=True)]",
-        new="    return [_best_pairs([r], n, reps)[0] for r in runs] if len(runs) > 1 else [(_steps_seconds(one, all_, n), first, t) for (one, all_, first), t in zip(best, tokens, strict=True)]",
+        old="    for _ in range(reps):\n        for run, b in zip(runs, best, strict=True):",
+        new="    for run, b in zip(runs, best, strict=True):\n        for _ in range(reps):",
         tests=["tests/test_llamacpp.py::test_bench_llamacpp_times_again_a_rate_above_the_floor_on_both_sides"],
         why="bench llama-cpp times llama.cpp's reps, then ours: a VM that slows in between moves the ratio",
     ),
