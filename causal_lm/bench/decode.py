@@ -287,11 +287,12 @@ def bench_decode(
     `first_call_latency` (first_call_first_token_s, cached_compile_first_token_s, ...) or None.
     weights: rows for the model's weights stored as each of these (float32, and int8 / int4 through
     `causal_lm.quantize`, default group sizes); each row's "weights", its "weight_bytes" (what the floor counts)
-    and "ratio_vs_float32" (cached tokens/s against the float32 row of the same context and batch, same run).
+    and "ratio_vs_float32" (cached tokens/s against the float32 row of the same context and batch; the cached
+    timings of a context and batch's rows, every weights and cache storage, alternate rep by rep).
     gguf: time a GGUF file's model with its Q8_0 / Q4_0 / Q4_1 weights kept quantized (no peer; weights ignored).
-    bandwidth_beside: measure the read bandwidth (`read_bandwidth`) just before and just after each row's cached
-    timing and set the row's floor at the faster of the two (its "mem_bw_bytes_per_s"), rather than at the
-    figure measured once at the start; default: when the machine is measured (no ceilings given).
+    bandwidth_beside: measure the read bandwidth (`read_bandwidth`) just before and just after each context and
+    batch's alternated cached timings and set its rows' floor at the faster of the two (their "mem_bw_bytes_per_s"),
+    rather than at the figure measured once at the start; default: when the machine is measured (no ceilings given).
     """
     weights = tuple(weights)
     for w in weights:

@@ -68,7 +68,8 @@ def register(sub):
         "--weights",
         default="float32",
         metavar="float32,int8,int4",
-        help="rows for the weights stored as each of these (causal_lm.quantize), comma-separated",
+        help="rows for the weights stored as each of these (causal_lm.quantize), comma-separated; their timings "
+        "alternate, so the 'x f32' ratio compares steps of the same minutes",
     )
     d.add_argument(
         "--gguf", default=None, metavar="FILE", help="time a GGUF file's model, its Q8_0/Q4_0/Q4_1 weights kept"
