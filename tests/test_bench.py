@@ -120,7 +120,7 @@ def test_weights_rows_time_their_decode_steps_alternated(monkeypatch):
     def logged(model, prompts, use_cache, **kw):
         run = real_runner(model, prompts, use_cache, **kw)
         if use_cache and "max_new_bucket" in kw:  # the cached timings (prefill's runner has the smallest room)
-            return lambda k: (calls.append(model.config.weights), run(k))[1]
+            return lambda k: (calls.append((model.config.weights, k)), run(k))[1]
         return run
 
     monkeypatch.setattr(bench.decode, "_ours_runner", logged)
@@ -133,9 +133,10 @@ def test_weights_rows_time_their_decode_steps_alternated(monkeypatch):
     assert f32["weight_bytes"] == r["weight_bytes"] > i8["weight_bytes"] > i4["weight_bytes"]
     assert f32["ratio_vs_float32"] == 1.0
     assert i8["ratio_vs_float32"] == pytest.approx(i8["cached_tokens_per_s"] / f32["cached_tokens_per_s"])
-    # after one warm-up call of each length per runner, the reps alternate: t(1) and t(1 + n) of each in turn
-    timed = calls[6:18]
-    assert timed == ["float32", "float32", "int8", "int8", "int4", "int4"] * 2, calls
+    # after one warm-up call of each length per runner, the reps alternate: each runner's turn is an untimed t(1)
+    # (its program's memory back after the others'), then the timed t(1) and t(1 + n)
+    turn = [[(w, 1), (w, 1), (w, 3)] for w in ("float32", "int8", "int4")]
+    assert calls[6:24] == (turn[0] + turn[1] + turn[2]) * 2, calls
     assert "int8" in bench.format_decode(r)
 
 

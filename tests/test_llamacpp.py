@@ -130,7 +130,7 @@ def test_bench_llamacpp_times_again_a_rate_above_the_floor_on_both_sides(monkeyp
     (w,) = r["rows"]
     assert w["retimed"] and w["ours_implausible"] and w["llama_cpp_implausible"]
     # after a warm-up of each, the two engines' reps alternate (so both meet the same minutes of a shared machine)
-    assert calls[4:12] == ["llama.cpp", "llama.cpp", "ours", "ours"] * 2, calls
+    assert calls[4:16] == ["llama.cpp"] * 3 + ["ours"] * 3 + ["llama.cpp"] * 3 + ["ours"] * 3, calls
     assert w["greedy_equal"] == w["new_tokens"] == 5
     table = llamacpp.format_llamacpp(r)
     assert table.count("%!") == 2 and "timing artifact" in table
