@@ -1535,12 +1535,16 @@ MUTANTS = [
         why="a row still above the floor after a second timing is printed as a figure like any other",
     ),
     dict(
-        name="llamacpp-engines-timed-one-after-another",
-        file="causal_lm/bench/llamacpp.py",
+        name="bench-alternation-one-runner-after-another",
+        file="causal_lm/bench/decode.py",
         old="    for _ in range(reps):\n        for run, b in zip(runs, best, strict=True):",
         new="    for run, b in zip(runs, best, strict=True):\n        for _ in range(reps):",
-        tests=["tests/test_llamacpp.py::test_bench_llamacpp_times_again_a_rate_above_the_floor_on_both_sides"],
-        why="bench llama-cpp times llama.cpp's reps, then ours: a VM that slows in between moves the ratio",
+        tests=[
+            "tests/test_llamacpp.py::test_bench_llamacpp_times_again_a_rate_above_the_floor_on_both_sides",
+            "tests/test_bench.py::test_weights_rows_time_their_decode_steps_alternated",
+        ],
+        why="bench llama-cpp times llama.cpp's reps, then ours (bench decode float32's, then int8's): a VM that slows "
+        "in between moves the ratio",
     ),
     dict(
         name="llamacpp-peer-rate-above-the-floor-kept",

@@ -63,24 +63,33 @@ def _decode_seconds(run: Callable[[int], None], n: int, reps: int) -> float:
     return _decode_seconds_alternating([run], n, reps)[0]
 
 
-def _decode_seconds_alternating(runs: Sequence[Callable[[int], None]], n: int, reps: int) -> list:
-    """`_decode_seconds` of several runners whose reps alternate (a, b, a, b, ...), so that a ratio between them
-    (speculative against plain, int8 against float32) compares times taken under the same load. Each runner's
-    turn starts with an untimed t(1): the first call of a program after another's pays for the pages the other
-    left shaped for itself (the 135M float32 `generate` after an int4 one: t(1) 1.1-1.2 s instead of 0.63), which
-    would shorten t(1 + n) - t(1) and overstate the rate (105% of the floor, on VM E)."""
+def alternated_calls(runs: Sequence[Callable[[int], object]], n: int, reps: int) -> list:
+    """Per runner, (best t(1), best t(1 + n), [what each timed call returned]), the runners' reps alternating: a's
+    t(1) and t(1 + n), then b's, then a's again, so that a ratio between them (speculative against plain, int8
+    against float32, ours against llama.cpp) compares times taken under the same load. Each length runs once first
+    (compiles, warms up). With several runners each turn starts with an untimed t(1): the first call of a program
+    after another's pays for the memory the other left shaped for itself (the 135M float32 `generate` after an
+    int4 one: t(1) 1.1-1.2 s instead of 0.63), which would shorten t(1 + n) - t(1) and overstate the rate (105% of
+    the floor, on VM E)."""
     for run in runs:
         run(1)
         run(1 + n)
     settle()
-    best = [[float("inf"), float("inf")] for _ in runs]
+    best = [[float("inf"), float("inf"), []] for _ in runs]
     for _ in range(reps):
         for run, b in zip(runs, best, strict=True):
             if len(runs) > 1:
                 run(1)  # untimed: the switch from the other program's memory
-            b[0] = min(b[0], timed(lambda r=run: r(1)))
-            b[1] = min(b[1], timed(lambda r=run: r(1 + n)))
-    return [_steps_seconds(t_one, t_all, n) for t_one, t_all in best]
+            for i, k in enumerate((1, 1 + n)):
+                t0 = time.perf_counter()
+                b[2].append(run(k))
+                b[i] = min(b[i], time.perf_counter() - t0)
+    return [tuple(b) for b in best]
+
+
+def _decode_seconds_alternating(runs: Sequence[Callable[[int], object]], n: int, reps: int) -> list:
+    """`_decode_seconds` of several runners, timed by `alternated_calls`."""
+    return [_steps_seconds(t_one, t_all, n) for t_one, t_all, _ in alternated_calls(runs, n, reps)]
 
 
 NOISE_FRACTION = 0.02  # n steps taking less than this fraction of the whole call are lost in its timing noise

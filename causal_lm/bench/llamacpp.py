@@ -29,8 +29,15 @@ import jax
 import numpy as np
 from flax import nnx
 
-from causal_lm.bench.common import environment, fmt, machine_ceilings, ratio, read_bandwidth, settle
-from causal_lm.bench.decode import IMPLAUSIBLE_FLOOR, _ours_runner, _same_program, _steps_seconds, above_the_floor
+from causal_lm.bench.common import environment, fmt, machine_ceilings, ratio, read_bandwidth
+from causal_lm.bench.decode import (
+    IMPLAUSIBLE_FLOOR,
+    _ours_runner,
+    _same_program,
+    _steps_seconds,
+    above_the_floor,
+    alternated_calls,
+)
 from causal_lm.interop.gguf import gguf_tensor_name, load_gguf, permute_qk
 from causal_lm.interop.hf_checkpoint import hf_tensors_from_model
 from causal_lm.interop.hf_config import hf_config_from_model
@@ -226,33 +233,14 @@ class LlamaCpp:
             self.model = None
 
 
-def _best_pair(run, n: int, reps: int) -> tuple[float, float, list]:
-    """(decode seconds for n steps, best time to the first token, tokens) from run(k) -> (tokens, first_s), timed
-    as bench decode times generate: best t(1 + n) - best t(1), reps alternating."""
-    return _best_pairs([run], n, reps)[0]
-
-
 def _best_pairs(runs, n: int, reps: int) -> list:
-    """`_best_pair` of several engines whose reps alternate (a's t(1) and t(1 + n), then b's, then a's again, ...),
-    so that their ratio compares calls timed in the same minutes of a machine whose speed moves."""
-    tokens = []
-    for run in runs:
-        run(1)
-        tokens.append(run(1 + n)[0])
-    settle()
-    best = [[float("inf")] * 3 for _ in runs]  # t(1), t(1 + n), time to the first token
-    for _ in range(reps):
-        for run, b in zip(runs, best, strict=True):
-            if len(runs) > 1:
-                run(1)  # untimed: the switch from the other engine's memory (bench decode's alternation says why)
-            t = time.perf_counter()
-            _, f1 = run(1)
-            b[0] = min(b[0], time.perf_counter() - t)
-            t = time.perf_counter()
-            _, f2 = run(1 + n)
-            b[1] = min(b[1], time.perf_counter() - t)
-            b[2] = min(b[2], f1, f2)
-    return [(_steps_seconds(one, all_, n), first, t) for (one, all_, first), t in zip(best, tokens, strict=True)]
+    """Per engine, (decode seconds for n steps, best time to the first token, tokens) from run(k) -> (tokens,
+    first_s), timed as bench decode times generate: best t(1 + n) - best t(1), the engines' reps alternating
+    (`alternated_calls`)."""
+    return [
+        (_steps_seconds(one, all_, n), min(f for _, f in out), out[-1][0])
+        for one, all_, out in alternated_calls(runs, n, reps)
+    ]
 
 
 def bench_llamacpp(
@@ -338,12 +326,12 @@ def bench_llamacpp(
         def peer_again(k, path=path, n_ctx=n_ctx, ids=ids):
             again = LlamaCpp(path, n_ctx, threads)
             try:
-                return _best_pair(lambda j: again.generate(ids, j), new_tokens, k)[0]
+                return _best_pairs([lambda j: again.generate(ids, j)], new_tokens, k)[0][0]
             finally:
                 again.close()
 
         ours_s, ours_retimed, ours_odd = above_the_floor(
-            ours_s, lambda k, f=ours_run: _best_pair(f, new_tokens, k)[0], reps, floor_s, f"{t}, ours"
+            ours_s, lambda k, f=ours_run: _best_pairs([f], new_tokens, k)[0][0], reps, floor_s, f"{t}, ours"
         )
         peer_s, peer_retimed, peer_odd = above_the_floor(peer_s, peer_again, reps, floor_s, f"{t}, llama.cpp")
         equal = next((i for i, (a, b) in enumerate(zip(ours_tokens, peer_tokens, strict=False)) if a != b), None)
