@@ -68,9 +68,9 @@ def alternated_calls(runs: Sequence[Callable[[int], object]], n: int, reps: int)
     t(1) and t(1 + n), then b's, then a's again, so that a ratio between them (speculative against plain, int8
     against float32, ours against llama.cpp) compares times taken under the same load. Each length runs once first
     (compiles, warms up). With several runners each turn starts with an untimed t(1): the first call of a program
-    after another's pays for the memory the other left shaped for itself (the 135M float32 `generate` after an
-    int4 one: t(1) 1.1-1.2 s instead of 0.63), which would shorten t(1 + n) - t(1) and overstate the rate (105% of
-    the floor, on VM E)."""
+    that needs more memory than the other left free gets its new pages slowly (on huge pages, the 135M float32
+    `generate` after an int4 one with 128 decode steps: t(1) 1.0-1.2 s instead of 0.55-0.63), which would shorten
+    t(1 + n) - t(1) and overstate the rate (105% of the floor, on VM E)."""
     for run in runs:
         run(1)
         run(1 + n)
@@ -377,6 +377,7 @@ def bench_decode(
     }
     if any(v is None for v in variants.values()):
         raise ValueError(f"--weights float32: the model's weights are {model.config.weights}, not float")
+    variant_bytes = {w: nbytes(v) for w, v in variants.items()}  # what each row's floor counts
     peer_model = build_peer(m, params).eval() if status == "ok" else None
     rng = np.random.default_rng(0)
     rows = []
@@ -403,13 +404,13 @@ def bench_decode(
                         n,
                         n_re if w == "float32" else 0,
                         reps,
-                        nbytes(variant),
+                        variant_bytes[w],
                         cache_dtype,
                         run,
                         steps_s,
                         bw,
                     )
-                    row["weights"], row["weight_bytes"] = w, nbytes(variant)
+                    row["weights"], row["weight_bytes"] = w, variant_bytes[w]
                     group.append(row)
                 for row in group:
                     base = [r for r in group if r["weights"] == "float32" and r["cache_dtype"] == row["cache_dtype"]]
