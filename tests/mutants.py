@@ -1364,6 +1364,23 @@ MUTANTS = [
         why="a chunk's read range stops one slot short: each row loses its newest visible key",
     ),
     dict(
+        name="decode-attention-span-skips-its-last-chunk",
+        file="causal_lm/model/csrc/decode_attention.cc",
+        old="    for (int64_t c = cut[0]; c < cut[1]; ++c) {",
+        new="    for (int64_t c = cut[0]; c + 1 < cut[1]; ++c) {",
+        tests=["tests/test_decode_attention.py"],
+        why="a thread's span of chunks stops one short: the last chunk's partial softmax is whatever an earlier call "
+        "left in the buffer",
+    ),
+    dict(
+        name="decode-attention-exp-sum-skips-first-slot",
+        file="causal_lm/model/csrc/decode_attention.cc",
+        old="  for (int64_t j = 0; j < J; ++j)\n    for (int b = 0; b < NR; ++b) a[b] += s[b * kChunk + j];",
+        new="  for (int64_t j = 1; j < J; ++j)\n    for (int b = 0; b < NR; ++b) a[b] += s[b * kChunk + j];",
+        tests=["tests/test_decode_attention.py"],
+        why="each row's sum of exponentials leaves out the chunk's first visible slot: the softmax no longer sums to 1",
+    ),
+    dict(
         name="decode-attention-range-skips-first-visible",
         file="causal_lm/model/csrc/decode_attention.cc",
         old="      lo = std::min(lo, j);",

@@ -342,6 +342,38 @@ inline void scores_kv_pairs(const Fused& d, const float* q, const float* kj, int
 }
 #endif
 
+// Row-wise sums s[r * kChunk + 0..J-1] (increasing j) into l[0..R-1], NR rows' chains interleaved in registers.
+template <int NR>
+inline void exp_sums_block(const float* s, int64_t J, float* l) {
+  float a[NR];
+  for (int b = 0; b < NR; ++b) a[b] = l[b];
+  for (int64_t j = 0; j < J; ++j)
+    for (int b = 0; b < NR; ++b) a[b] += s[b * kChunk + j];
+  for (int b = 0; b < NR; ++b) l[b] = a[b];
+}
+
+inline void exp_sums(const float* s, int64_t R, int64_t J, float* l) {
+  int64_t r = 0;
+  for (; r + 8 <= R; r += 8) exp_sums_block<8>(s + r * kChunk, J, l + r);
+  for (; r + 4 <= R; r += 4) exp_sums_block<4>(s + r * kChunk, J, l + r);
+  for (; r < R; ++r) exp_sums_block<1>(s + r * kChunk, J, l + r);
+}
+
+// The slots of row b's chunk c that some query row sees: [lo, hi] within the chunk (hi < lo: none).
+inline void visible_range(const Fused& d, const bool* visible, int64_t b, int64_t c, int64_t& lo, int64_t& hi) {
+  lo = kChunk, hi = -1;
+  const int64_t c0 = c * kChunk, n = std::min(kChunk, d.C - c0);
+  for (int64_t t = 0; t < d.T; ++t) {
+    const bool* vis = visible + (b * d.T + t) * d.C + c0;
+    int64_t j = 0;
+    while (j < std::min(n, lo) && !vis[j]) ++j;
+    lo = std::min(lo, j);
+    j = n - 1;
+    while (j > hi && !vis[j]) --j;
+    hi = std::max(hi, j);
+  }
+}
+
 // Row b, slots [c * kChunk, ...): per softmax row r = (t, n), its max m, sum of exponentials l and weighted sum of
 // values acc [Hv] over the chunk's visible slots (m = -inf: none visible).
 void chunk_item(const Fused& d, const float* q, const float* k, const float* v, const bool* visible, int64_t b,
@@ -351,19 +383,8 @@ void chunk_item(const Fused& d, const float* q, const float* k, const float* v, 
   // The slots read are the chunk's first to last visible one (of any query row): the slots outside that range would
   // add exponentials of 0 and no values, so leaving them out changes no bit, and the chunk holding the newest
   // position (a decode step's last chunk) reads only its filled part.
-  int64_t lo = kChunk, hi = -1;
-  {
-    const int64_t c0 = c * kChunk, n = std::min(kChunk, d.C - c0);
-    for (int64_t t = 0; t < d.T; ++t) {
-      const bool* vis = visible + (b * d.T + t) * d.C + c0;
-      int64_t j = 0;
-      while (j < std::min(n, lo) && !vis[j]) ++j;
-      lo = std::min(lo, j);
-      j = n - 1;
-      while (j > hi && !vis[j]) --j;
-      hi = std::max(hi, j);
-    }
-  }
+  int64_t lo, hi;
+  visible_range(d, visible, b, c, lo, hi);
   std::fill_n(m, R, ninf);
   std::fill_n(l, R, 0.0f);
   std::fill_n(acc, R * d.Hv, 0.0f);
@@ -461,9 +482,8 @@ void chunk_item(const Fused& d, const float* q, const float* k, const float* v, 
 #endif
     for (; j < J; ++j) s[j] = exp_approx(s[j] - mr);
   }
-  // Each row's sum of exponentials in increasing slot order, the rows' chains interleaved.
-  for (int64_t j = 0; j < J; ++j)
-    for (int64_t r = 0; r < R; ++r) l[r] += scores[r * kChunk + j];
+  // Each row's sum of exponentials in increasing slot order.
+  exp_sums(scores, R, J, l);
   // Values: acc += w * v over the chunk's slots in increasing order, per output element.
 #ifdef CLM_AVX2
   if (d.Hv % 8 == 0) {
@@ -501,8 +521,37 @@ ffi::Error Attention(ffi::ThreadPool pool, float scale, float softcap, int32_t h
   float *pm = partial.data(), *pl = pm + parts * R, *pa = pl + parts * R;
   const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
   const bool* vis = reinterpret_cast<const bool*>(visible.untyped_data());
-  causal_lm_native::parallel_for(parts, pool, [&d, qp, kp, vp, vis, pm, pl, pa, R](int64_t i) {
-    chunk_item(d, qp, kp, vp, vis, i / d.chunks, i % d.chunks, pm + i * R, pl + i * R, pa + i * R * d.Hv);
+  // Work items are spans: runs of consecutive chunks of one row, ceil(threads / B) per row (at most its chunks), cut
+  // where they hold about equal numbers of visible slots. A thread reads one span's keys and values as one run of
+  // addresses (its key prefetches run on into the next chunk), rather than chunks taken in turn (the form before:
+  // the 135M shape's attention alone, 30 layers from DRAM, Zen 5, batch 8 241 -> 218 us a layer, batch 1 the same).
+  // Which thread computes a chunk changes no value.
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t spans = std::min<int64_t>(d.chunks, (threads + d.B - 1) / d.B);
+  std::vector<int64_t> cuts(static_cast<size_t>(d.B * (spans + 1)));  // row b's spans: chunks [cut s, cut s + 1)
+  std::vector<int64_t> seen(static_cast<size_t>(d.chunks));
+  for (int64_t b = 0; b < d.B; ++b) {
+    int64_t total = 0;
+    for (int64_t c = 0; c < d.chunks; ++c) {
+      int64_t lo, hi;
+      visible_range(d, vis, b, c, lo, hi);
+      total += seen[c] = std::max<int64_t>(0, hi - lo + 1);
+    }
+    int64_t* cut = cuts.data() + b * (spans + 1);
+    int64_t c = 0, sum = 0;
+    cut[0] = 0;
+    for (int64_t s = 1; s < spans; ++s) {  // span s - 1 takes the chunks whose middle is before s / spans of them
+      while (c < d.chunks && (2 * sum + seen[c]) * spans <= 2 * s * total) sum += seen[c++];
+      cut[s] = c;
+    }
+    cut[spans] = d.chunks;
+  }
+  causal_lm_native::parallel_for(d.B * spans, pool, [&d, &cuts, spans, qp, kp, vp, vis, pm, pl, pa, R](int64_t i) {
+    const int64_t b = i / spans, *cut = cuts.data() + b * (spans + 1) + i % spans;
+    for (int64_t c = cut[0]; c < cut[1]; ++c) {
+      const int64_t at = b * d.chunks + c;
+      chunk_item(d, qp, kp, vp, vis, b, c, pm + at * R, pl + at * R, pa + at * R * d.Hv);
+    }
   });
   const float ninf = -std::numeric_limits<float>::infinity();
   const float* sk = sink.typed_data();
