@@ -580,40 +580,48 @@ MUTANTS = [
         why="a decode burst's pages cover one slot too few: the K/V of a row's last fed token is dropped when it "
         "starts a page (it does not even see itself)",
     ),
-    # ---- decode attention reading the pages in place (csrc/paged_attention.cc) --------------------------------
+    # ---- decode attention reading the pages in place (csrc/decode_attention.cc's paged form) ---------------------
     dict(
         name="paged-attention-page-boundary-off-by-one",
-        file="causal_lm/model/csrc/paged_attention.cc",
-        old="const int32_t page = table[b * d.NP + s / d.ps];",
-        new="const int32_t page = table[b * d.NP + (s + 1) / d.ps];",
+        file="causal_lm/model/csrc/decode_attention.cc",
+        old="const int64_t page = table[b * NP + at / ps];",
+        new="const int64_t page = table[b * NP + (at + 1) / ps];",
         tests=["tests/test_paged_attention.py::test_kernel_equals_gathered_xla_attention[gqa-float32]"],
         why="the kernel maps a slot to its page one slot early: each page's last key is read from the next page",
     ),
     dict(
         name="paged-attention-reads-masked-key",
-        file="causal_lm/model/csrc/paged_attention.cc",
-        old="w[i] = vis[cols[i]] ? std::exp(w[i] - m) : 0.0;",
-        new="w[i] = std::exp(w[i] - m);",
+        file="causal_lm/model/csrc/decode_attention.cc",
+        old="      s[j] = vis[j] ? x : ninf;",
+        new="      s[j] = x;",
         tests=["tests/test_paged_attention.py::test_kernel_equals_gathered_xla_attention[gqa-float32]"],
         why="a key that one query of the row may see joins the softmax of another query that may not (a later "
         "token of a chunk seen by an earlier one)",
     ),
     dict(
         name="paged-attention-head-grouping",
-        file="causal_lm/model/csrc/paged_attention.cc",
-        old="const float* qv = q + ((b * d.T + t) * d.N + kh * d.G + g) * d.H;",
-        new="const float* qv = q + ((b * d.T + t) * d.N + g * d.K + kh) * d.H;",
+        file="causal_lm/model/csrc/decode_attention.cc",
+        old="const float* kj = k0 + j * kstride + (n / d.G) * d.H;",
+        new="const float* kj = k0 + j * kstride + (n % d.K) * d.H;",
         tests=["tests/test_paged_attention.py::test_kernel_equals_gathered_xla_attention[gqa-float32]"],
         why="query heads grouped onto KV heads by stride (n % K) instead of by block (n / K), the GQA convention "
         "every other kernel uses",
     ),
     dict(
         name="paged-attention-int8-values-without-scale",
-        file="causal_lm/model/csrc/paged_attention.cc",
-        old="Axpy(vs ? w[i] * vs[at] : w[i], v + at * d.Hv, acc.data(), d.Hv);",
-        new="Axpy(w[i], v + at * d.Hv, acc.data(), d.Hv);",
+        file="causal_lm/model/csrc/decode_attention.cc",
+        old="copy(v, vs, slot, n, d.K, d.Hv, vb.data() + j * vstride);",
+        new="copy(v, ks, slot, n, d.K, d.Hv, vb.data() + j * vstride);",
         tests=["tests/test_paged_attention.py::test_kernel_equals_gathered_xla_attention[mha-int8]"],
-        why="int8 values summed without their per-token scales",
+        why="int8 values dequantized with the keys' per-token scales instead of their own",
+    ),
+    dict(
+        name="paged-attention-missing-page-keys-not-zeroed",
+        file="causal_lm/model/csrc/decode_attention.cc",
+        old="        std::fill_n(kb.data() + j * kstride, n * kstride, 0.0f);",
+        new="        (void)0;",
+        tests=["tests/test_paged_attention.py::test_paged_rows_have_the_bits_of_the_contiguous_kernel[float32]"],
+        why="a missing page's keys are not zeroed: its slots score against whatever the thread's buffer held",
     ),
     dict(
         name="paged-attention-reads-layer-0",

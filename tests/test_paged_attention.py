@@ -1,4 +1,4 @@
-"""Decode attention that reads the paged pool in place (causal_lm/model/csrc/paged_attention.cc through
+"""Decode attention that reads the paged pool in place (causal_lm/model/csrc/decode_attention.cc's paged form through
 `PagedKVCache.attend`) equals the XLA form: the rows' pages gathered by `update` and the reference kernel, under the
 one mask function's mask. Ragged rows, partial last pages, missing pages, garbage in slots nobody may see, windows,
 MHA/GQA/MQA, sinks, softcapping and int8 storage. CI machines have gcc: there a kernel that did not build fails."""
@@ -148,3 +148,68 @@ def test_the_paged_decode_step_uses_the_kernel_and_its_fallbacks_do_not(monkeypa
     assert not calls_kernel(batch_invariant=True)
     monkeypatch.setenv(native.ENV, "0")
     assert not calls_kernel()
+
+
+def _paged_call(q, k, v, k_scale, v_scale, layer, table, visible, sink, scale, softcap):
+    """The kernel called as `PagedKVCache.attend` calls it, on a pool built by hand."""
+    B, T, N, _ = q.shape
+    call = jax.ffi.ffi_call(pc.PAGED_ATTENTION_TARGET, jax.ShapeDtypeStruct((B, T, N, v.shape[-1]), jnp.float32))
+    return call(
+        q,
+        k,
+        v,
+        k_scale,
+        v_scale,
+        jnp.asarray(layer, jnp.int32),
+        table,
+        visible,
+        jnp.zeros((N,), jnp.float32) if sink is None else sink,
+        scale=np.float32(scale),
+        softcap=np.float32(softcap or 0.0),
+        has_sink=np.int32(sink is not None),
+    )
+
+
+@pytest.mark.parametrize("storage", ["float32", "int8"])
+def test_paged_rows_have_the_bits_of_the_contiguous_kernel(storage):
+    """The paged kernel is the contiguous decode kernel (`decode_attention.attend`, what `generate` runs) over each
+    row's slot view: a row's output has the same bits as the same row in a contiguous cache holding its view's
+    (dequantized) entries, so the engine's decode steps compute what `generate`'s do. Pages of 12 slots, so the
+    kernel's 128-slot chunks end inside pages; head dim 64 (the vector paths); a missing page (zeros); a prefix, a
+    window that starts mid-page and a short row; two queries that see different slots; sinks and softcapping."""
+    _need_kernel()
+    from causal_lm.model import decode_attention as da
+
+    rng = np.random.default_rng(7)
+    L, P, ps, NP, B, T, K, G, H = 2, 80, 12, 25, 3, 2, 3, 3, 64
+    C, N = NP * ps, K * G
+    if storage == "int8":
+        k = rng.integers(-127, 128, (L, P, ps, K, H)).astype(np.int8)
+        v = rng.integers(-127, 128, (L, P, ps, K, H)).astype(np.int8)
+        ks, vs = (rng.uniform(0.01, 0.05, (L, P, ps, K)).astype(np.float32) for _ in range(2))
+        kf, vf = k.astype(np.float32) * ks[..., None], v.astype(np.float32) * vs[..., None]
+    else:
+        kf = k = rng.standard_normal((L, P, ps, K, H)).astype(np.float32)
+        vf = v = rng.standard_normal((L, P, ps, K, H)).astype(np.float32)
+        ks = vs = np.zeros((1,), np.float32)
+    table = rng.permutation(P)[: B * NP].reshape(B, NP).astype(np.int32)
+    table[0, 3] = P  # a missing page inside row 0's visible range
+    j = np.arange(C)
+    visible = np.zeros((B, T, C), bool)
+    visible[0] = j < np.array([[250], [251]])
+    visible[1] = (j >= np.array([[101], [104]])) & (j < 290)
+    visible[2] = j < np.array([[7], [6]])
+    kc, vc = np.zeros((L, B, C, K, H), np.float32), np.zeros((L, B, C, K, H), np.float32)
+    for b in range(B):
+        for s in range(C):
+            page = table[b, s // ps]
+            if page < P:
+                kc[:, b, s], vc[:, b, s] = kf[:, page, s % ps], vf[:, page, s % ps]
+    q = jnp.asarray(rng.standard_normal((B, T, N, H)), jnp.float32)
+    for sink, softcap in ((None, None), (jnp.asarray(rng.standard_normal(N), jnp.float32), 2.0)):
+        args = (jnp.asarray(visible), sink, 0.125, softcap)
+        got = jax.jit(_paged_call, static_argnums=(9, 10))(q, k, v, ks, vs, 1, jnp.asarray(table), *args)
+        contiguous = jax.jit(functools.partial(da.attend, layer=1, scale=0.125, softcap=softcap))
+        want = contiguous(q, jnp.asarray(kc), jnp.asarray(vc), visible=args[0], sink=sink)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        assert np.abs(np.asarray(got)).max() > 0.01  # not trivially zero

@@ -22,7 +22,12 @@ import numpy as np
 from causal_lm.model import matvec, native
 
 NAME = "decode_attention"
-TARGETS = ("causal_lm_decode_attention_scores", "causal_lm_decode_attention_values", "causal_lm_decode_attention")
+TARGETS = (
+    "causal_lm_decode_attention_scores",
+    "causal_lm_decode_attention_values",
+    "causal_lm_decode_attention",
+    "causal_lm_decode_attention_paged",
+)
 
 
 def usable() -> bool:

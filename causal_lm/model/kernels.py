@@ -27,9 +27,11 @@ Shape letters (used in every `# [...]` comment of the package):
     invariant_attention   one query at a time over fixed key chunks: bitwise the same for a query whatever the
                           call's shapes (the batch-invariant scoring mode of RL's sampler and trainer).
     backends.cudnn_attention / backends.splash_attention  the fused kernels of GPUs and TPUs (see backends.py).
-    PagedKVCache.attend   (paged_cache.py) a decode step over a paged cache on the CPU: the C++ kernel
-                          csrc/paged_attention.cc reads K/V where they lie in the pool instead of gathering a copy;
-                          the attention layer picks it before `attention()` when the cache offers it.
+    PagedKVCache.attend   (paged_cache.py) a decode step over a paged cache on the CPU: the paged form of the C++
+                          decode kernel (csrc/decode_attention.cc) copies each 128-slot chunk's visible slots out of
+                          the pool and sums them as it sums a contiguous cache's (the same bits) instead of gathering
+                          every row's pages per layer; the attention layer picks it before `attention()` when the
+                          cache offers it.
 
 `attention()` picks one from static facts (platform, shapes, mask structure, config); `attention_impl` names the
 family.

@@ -19,10 +19,12 @@ positions of the slots it reads; nothing outside this module does page arithmeti
 Each layer's call writes the new tokens through the page table (page = table[b, p // page_size], offset
 p % page_size) and reads the row's pages back as the [B, NP * page_size] slot view the attention kernels
 consume: slot s of that view holds position s, or -1 where the row has no page or the page's slot is empty.
-A decode call (a few queries) on the CPU skips that copy: `write` stores the new tokens and `attend` runs the C++
-kernel csrc/paged_attention.cc, which reads each visible key and value where it lies in the pool through the page
-table, under the same [B, T, NP * page_size] mask (computed in JAX from `key_positions`); it is the XLA form's
-function (tests/test_paged_attention.py) and the XLA form stays wherever the kernel does not apply
+A decode call (a few queries) on the CPU skips that copy: `write` stores the new tokens and `attend` runs the paged
+form of the C++ decode kernel (csrc/decode_attention.cc), which copies each 128-slot chunk's visible keys and values
+out of the pool through the page table (dequantizing int8) into a per-thread buffer and sums them there exactly as
+the contiguous form sums a `KVCache`'s, under the same [B, T, NP * page_size] mask (computed in JAX from
+`key_positions`): a row's output has the bits `generate`'s decode step gives the same row, and is the XLA form's
+function (tests/test_paged_attention.py). The XLA form stays wherever the kernel does not apply
 (`attends_in_place`).
 Local (sliding-window) layers are paged like global ones and their mask hides what lies outside the window; the
 engine returns a local group's pages wholly outside it (their table entries become "no page").
@@ -55,8 +57,8 @@ from causal_lm.model.kv_cache import (
     require_causal,
 )
 
-PAGED_ATTENTION = "paged_attention"  # csrc/paged_attention.cc: decode attention reading the pages in place
-PAGED_ATTENTION_TARGET = "causal_lm_paged_attention"
+PAGED_ATTENTION = "decode_attention"  # csrc/decode_attention.cc: decode attention reading the pages in place
+PAGED_ATTENTION_TARGET = "causal_lm_decode_attention_paged"
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -264,8 +266,8 @@ class PagedKVCache:
 
     def attends_in_place(self, q, plan=None) -> bool:
         """Whether `attend` can compute attention for queries q [B, T, N, H] here (static facts only): a few
-        queries (decode), K/V storage (float32 or int8) read by the C++ kernel `csrc/paged_attention.cc`, on the
-        CPU with the kernel built. Elsewhere (MLA's latent, bfloat16 / float8 storage, GPU/TPU,
+        queries (decode), K/V storage (float32 or int8) read by the C++ kernel (`csrc/decode_attention.cc`'s paged
+        form), on the CPU with the kernel built. Elsewhere (MLA's latent, bfloat16 / float8 storage, GPU/TPU,
         `CAUSAL_LM_NATIVE=0`) the caller gathers the pages with `update` and uses the XLA kernels."""
         return (
             tuple(self.pool.names) == ("k", "v")

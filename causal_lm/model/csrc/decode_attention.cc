@@ -1,6 +1,8 @@
-// Decode attention over a cache read in place, for a few queries. Two forms: the whole attention of one layer over
+// Decode attention over a cache read in place, for a few queries. Three forms: the whole attention of one layer over
 // a contiguous cache's stacked buffers (`causal_lm_decode_attention`, kv_cache.KVCache.attend: the decoder's decode
-// steps; described with its code below), and the two products alone with the softmax left to XLA (below first,
+// steps; described with its code below), the same over a paged pool read through its page table
+// (`causal_lm_decode_attention_paged`, paged_cache.PagedKVCache.attend: the serving engine's decode steps; at the
+// end), and the two products alone with the softmax left to XLA (below first,
 // causal_lm/model/kernels.py `native_attention`: a few queries over keys that are not a cache's buffers, e.g. a
 // ring's old slots joined to the chunk). XLA:CPU runs the products as small batched matmuls at a fifth of the memory bandwidth, and a decode
 // step of a 135M model spends as long on them as on a third of its weights.
@@ -25,6 +27,7 @@
 #include <limits>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -374,10 +377,71 @@ inline void visible_range(const Fused& d, const bool* visible, int64_t b, int64_
   }
 }
 
+// The cache buffers' own layout: slot j of row b's layer at k + ((layer * B + b) * C + j) * K * H (and so for v), read
+// where it lies, its keys prefetched ahead.
+struct InPlace {
+  static constexpr bool kFar = true;
+  const float *k, *v;
+  void operator()(const Fused& d, int64_t b, int64_t j0, int64_t, const float*& k0, const float*& v0) const {
+    k0 = k + ((d.layer * d.B + b) * d.C + j0) * d.K * d.H;
+    v0 = v + ((d.layer * d.B + b) * d.C + j0) * d.K * d.Hv;
+  }
+};
+
+// A paged pool [L, P, ps, K, H] read through a page table [B, NP] (causal_lm/model/paged_cache.py): slot j of row b
+// is slot j % ps of page table[b, j / ps]; an entry outside [0, P) is a missing page, whose keys and values are zeros
+// (the XLA gather's fill); int8 entries are times their float32 scales [L, P, ps, K] (float(x) * scale, as
+// `PagedKVCache.update` dequantizes). A chunk's visible slots are copied, page run by page run, into the thread's
+// buffers in the cache's layout, and `chunk_item` sums them there exactly as it sums a contiguous cache's.
+template <typename E>
+struct Gathered {
+  static constexpr bool kFar = false;  // the buffers were just written: nothing to prefetch
+  const E *k, *v;
+  const float *ks, *vs;  // int8: the scales
+  const int32_t* table;
+  int64_t P, ps, NP;
+
+  // n slots from pool slot `slot` ((layer * P + page) * ps + offset) of K heads of w elements into dst.
+  void copy(const E* src, const float* scale, int64_t slot, int64_t n, int64_t K, int64_t w, float* dst) const {
+    if constexpr (std::is_same_v<E, float>) {
+      std::copy_n(src + slot * K * w, n * K * w, dst);
+    } else {
+      for (int64_t i = 0; i < n * K; ++i) {
+        const float sc = scale[slot * K + i];
+        const E* x = src + (slot * K + i) * w;
+        for (int64_t h = 0; h < w; ++h) dst[i * w + h] = static_cast<float>(x[h]) * sc;
+      }
+    }
+  }
+
+  void operator()(const Fused& d, int64_t b, int64_t j0, int64_t J, const float*& k0, const float*& v0) const {
+    thread_local std::vector<float> kb, vb;
+    const int64_t kstride = d.K * d.H, vstride = d.K * d.Hv;
+    kb.resize(static_cast<size_t>(J * kstride));
+    vb.resize(static_cast<size_t>(J * vstride));
+    for (int64_t j = 0; j < J;) {
+      const int64_t at = j0 + j, offset = at % ps, n = std::min(J - j, ps - offset);
+      const int64_t page = table[b * NP + at / ps];
+      if (page < 0 || page >= P) {
+        std::fill_n(kb.data() + j * kstride, n * kstride, 0.0f);
+        std::fill_n(vb.data() + j * vstride, n * vstride, 0.0f);
+      } else {
+        const int64_t slot = (d.layer * P + page) * ps + offset;
+        copy(k, ks, slot, n, d.K, d.H, kb.data() + j * kstride);
+        copy(v, vs, slot, n, d.K, d.Hv, vb.data() + j * vstride);
+      }
+      j += n;
+    }
+    k0 = kb.data(), v0 = vb.data();
+  }
+};
+
 // Row b, slots [c * kChunk, ...): per softmax row r = (t, n), its max m, sum of exponentials l and weighted sum of
-// values acc [Hv] over the chunk's visible slots (m = -inf: none visible).
-void chunk_item(const Fused& d, const float* q, const float* k, const float* v, const bool* visible, int64_t b,
-                int64_t c, float* m, float* l, float* acc) {
+// values acc [Hv] over the chunk's visible slots (m = -inf: none visible). `at(d, b, j0, J, k0, v0)` gives the keys
+// and values of slots j0 .. j0 + J - 1 of row b as [J, K, H] and [J, K, Hv] blocks (`InPlace`, `Gathered`).
+template <typename At>
+void chunk_item(const Fused& d, const float* q, const At& at, const bool* visible, int64_t b, int64_t c, float* m,
+                float* l, float* acc) {
   const int64_t R = d.rows();
   const float ninf = -std::numeric_limits<float>::infinity();
   // The slots read are the chunk's first to last visible one (of any query row): the slots outside that range would
@@ -393,11 +457,12 @@ void chunk_item(const Fused& d, const float* q, const float* k, const float* v, 
   thread_local std::vector<float> scratch;
   scratch.resize(static_cast<size_t>(R * kChunk));
   const int64_t kstride = d.K * d.H, vstride = d.K * d.Hv;  // floats from one slot to the next
-  const float* k0 = k + ((d.layer * d.B + b) * d.C + j0) * kstride;
-  const float* v0 = v + ((d.layer * d.B + b) * d.C + j0) * vstride;
+  const float *k0, *v0;
+  at(d, b, j0, J, k0, v0);
   float* scores = scratch.data();  // scores[r * kChunk + j], r = t * N + n
 #ifdef CLM_AVX2
-  for (int64_t i = 0; i < kAheadSlots * kstride * 4; i += 64) _mm_prefetch(reinterpret_cast<const char*>(k0) + i, _MM_HINT_T1);
+  if (At::kFar)
+    for (int64_t i = 0; i < kAheadSlots * kstride * 4; i += 64) _mm_prefetch(reinterpret_cast<const char*>(k0) + i, _MM_HINT_T1);
 #endif
   // Keys: one pass over the chunk's contiguous [J, K, H] block in slot order, eight slots at a time.
   for (int64_t j = 0; j < J;) {
@@ -410,7 +475,7 @@ void chunk_item(const Fused& d, const float* q, const float* k, const float* v, 
     // wins: from DRAM 41.3 -> 38.0 us a layer at batch 1 and 286 -> 264 at batch 8 with 24 slots rather than 64 (16
     // and 32 about the same, 48 between), in L2 20.2 -> 19.8 and 252 -> 247; every line every 64 bytes (one
     // prefetch per 128 bytes: 14% slower).
-    if (j % 8 == 0) {
+    if (At::kFar && j % 8 == 0) {
       const char* kn = reinterpret_cast<const char*>(k0 + (j + kAheadSlots) * kstride);
       const char* vn = reinterpret_cast<const char*>(v0 + j * vstride);
       for (int64_t i = 0; i < 8 * kstride * 4; i += 64) _mm_prefetch(kn + i, _MM_HINT_T1);
@@ -500,27 +565,16 @@ void chunk_item(const Fused& d, const float* q, const float* k, const float* v, 
   }
 }
 
-ffi::Error Attention(ffi::ThreadPool pool, float scale, float softcap, int32_t has_sink, ffi::Buffer<ffi::F32> q,
-                     ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer,
-                     ffi::Buffer<ffi::PRED> visible, ffi::Buffer<ffi::F32> sink, ffi::ResultBuffer<ffi::F32> out) {
-  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
-  if (qd.size() != 4 || kd.size() != 5 || vd.size() != 5 || kd[1] != qd[0] || vd[1] != qd[0] || kd[4] != qd[3] ||
-      vd[0] != kd[0] || vd[2] != kd[2] || vd[3] != kd[3] || kd[3] < 1 || qd[2] % kd[3])
-    return ffi::Error::InvalidArgument("decode_attention: q [B, T, N, H], k [L, B, C, K, H], v [L, B, C, K, Hv]");
-  Fused d;
-  d.B = qd[0], d.T = qd[1], d.N = qd[2], d.H = qd[3], d.C = kd[2], d.K = kd[3], d.G = d.N / d.K, d.Hv = vd[4];
-  d.chunks = (d.C + kChunk - 1) / kChunk;
-  d.layer = layer.typed_data()[0];
-  d.scale = scale, d.softcap = softcap, d.has_sink = has_sink != 0;
-  if (static_cast<int64_t>(visible.element_count()) != d.B * d.T * d.C || (d.has_sink && sink.element_count() != static_cast<size_t>(d.N)))
-    return ffi::Error::InvalidArgument("decode_attention: visible [B, T, C], sink [N]");
-  if (d.layer < 0 || d.layer >= kd[0]) return ffi::Error::InvalidArgument("decode_attention: layer out of range");
+// The whole attention of every row: its chunks' partial softmaxes (`chunk_item`, keys and values from `at`), then
+// per output the partials merged in increasing chunk order with the sink. q [B, T, N, H], visible [B, T, C], sink
+// [N] (read when d.has_sink), out [B, T, N, Hv].
+template <typename At>
+void attend_chunks(const Fused& d, ffi::ThreadPool& pool, const float* q, const At& at, const bool* vis,
+                   const float* sink, float* out) {
   const int64_t R = d.rows(), parts = d.B * d.chunks;
   thread_local std::vector<float> partial;
   partial.resize(static_cast<size_t>(parts * R * (d.Hv + 2)));
   float *pm = partial.data(), *pl = pm + parts * R, *pa = pl + parts * R;
-  const float *qp = q.typed_data(), *kp = k.typed_data(), *vp = v.typed_data();
-  const bool* vis = reinterpret_cast<const bool*>(visible.untyped_data());
   // Work items are spans: runs of consecutive chunks of one row, ceil(threads / B) per row (at most its chunks), cut
   // where they hold about equal numbers of visible slots. A thread reads one span's keys and values as one run of
   // addresses (its key prefetches run on into the next chunk), rather than chunks taken in turn (the form before:
@@ -546,35 +600,94 @@ ffi::Error Attention(ffi::ThreadPool pool, float scale, float softcap, int32_t h
     }
     cut[spans] = d.chunks;
   }
-  causal_lm_native::parallel_for(d.B * spans, pool, [&d, &cuts, spans, qp, kp, vp, vis, pm, pl, pa, R](int64_t i) {
+  causal_lm_native::parallel_for(d.B * spans, pool, [&d, &cuts, &at, spans, q, vis, pm, pl, pa, R](int64_t i) {
     const int64_t b = i / spans, *cut = cuts.data() + b * (spans + 1) + i % spans;
     for (int64_t c = cut[0]; c < cut[1]; ++c) {
-      const int64_t at = b * d.chunks + c;
-      chunk_item(d, qp, kp, vp, vis, b, c, pm + at * R, pl + at * R, pa + at * R * d.Hv);
+      const int64_t x = b * d.chunks + c;
+      chunk_item(d, q, at, vis, b, c, pm + x * R, pl + x * R, pa + x * R * d.Hv);
     }
   });
   const float ninf = -std::numeric_limits<float>::infinity();
-  const float* sk = sink.typed_data();
-  float* o = out->typed_data();
   for (int64_t b = 0; b < d.B; ++b)
     for (int64_t r = 0; r < R; ++r) {
-      float* orow = o + (b * R + r) * d.Hv;
-      float mr = d.has_sink ? sk[r % d.N] : ninf;
+      float* orow = out + (b * R + r) * d.Hv;
+      float mr = d.has_sink ? sink[r % d.N] : ninf;
       for (int64_t c = 0; c < d.chunks; ++c) mr = std::max(mr, pm[(b * d.chunks + c) * R + r]);
       std::fill_n(orow, d.Hv, 0.0f);
       if (mr == ninf) continue;  // sees no slot and has no sink: zeros
-      float lr = d.has_sink ? exp_approx(sk[r % d.N] - mr) : 0.0f;
+      float lr = d.has_sink ? exp_approx(sink[r % d.N] - mr) : 0.0f;
       for (int64_t c = 0; c < d.chunks; ++c) {
-        const int64_t at = (b * d.chunks + c) * R + r;
-        if (pm[at] == ninf) continue;
-        const float f = exp_approx(pm[at] - mr);
-        lr = std::fma(f, pl[at], lr);
-        axpy(f, pa + at * d.Hv, orow, d.Hv);
+        const int64_t x = (b * d.chunks + c) * R + r;
+        if (pm[x] == ninf) continue;
+        const float f = exp_approx(pm[x] - mr);
+        lr = std::fma(f, pl[x], lr);
+        axpy(f, pa + x * d.Hv, orow, d.Hv);
       }
       const float inv = 1.0f / std::max(lr, 1.17549435e-38f);
       for (int64_t h = 0; h < d.Hv; ++h) orow[h] *= inv;
     }
+}
+
+ffi::Error Attention(ffi::ThreadPool pool, float scale, float softcap, int32_t has_sink, ffi::Buffer<ffi::F32> q,
+                     ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer,
+                     ffi::Buffer<ffi::PRED> visible, ffi::Buffer<ffi::F32> sink, ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  if (qd.size() != 4 || kd.size() != 5 || vd.size() != 5 || kd[1] != qd[0] || vd[1] != qd[0] || kd[4] != qd[3] ||
+      vd[0] != kd[0] || vd[2] != kd[2] || vd[3] != kd[3] || kd[3] < 1 || qd[2] % kd[3])
+    return ffi::Error::InvalidArgument("decode_attention: q [B, T, N, H], k [L, B, C, K, H], v [L, B, C, K, Hv]");
+  Fused d;
+  d.B = qd[0], d.T = qd[1], d.N = qd[2], d.H = qd[3], d.C = kd[2], d.K = kd[3], d.G = d.N / d.K, d.Hv = vd[4];
+  d.chunks = (d.C + kChunk - 1) / kChunk;
+  d.layer = layer.typed_data()[0];
+  d.scale = scale, d.softcap = softcap, d.has_sink = has_sink != 0;
+  if (static_cast<int64_t>(visible.element_count()) != d.B * d.T * d.C || (d.has_sink && sink.element_count() != static_cast<size_t>(d.N)))
+    return ffi::Error::InvalidArgument("decode_attention: visible [B, T, C], sink [N]");
+  if (d.layer < 0 || d.layer >= kd[0]) return ffi::Error::InvalidArgument("decode_attention: layer out of range");
+  const bool* vis = reinterpret_cast<const bool*>(visible.untyped_data());
+  attend_chunks(d, pool, q.typed_data(), InPlace{k.typed_data(), v.typed_data()}, vis, sink.typed_data(), out->typed_data());
   return ffi::Error::Success();
+}
+
+// Decode attention over a paged pool read through its page table (`Gathered`): the function of
+// `causal_lm_decode_attention` over the rows' slot views [B, NP * ps] (paged_cache.PagedKVCache.attend), the same
+// operations in the same order, so a paged row's output has the bits of the same row in a contiguous cache whose
+// slot j holds what its view's slot j holds. k, v [L, P, ps, K, H / Hv] float32 or int8 (then k_scale, v_scale
+// [L, P, ps, K]), table [B, NP] int32, visible [B, T, NP * ps].
+ffi::Error PagedAttention(ffi::ThreadPool pool, float scale, float softcap, int32_t has_sink, ffi::Buffer<ffi::F32> q,
+                          ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::F32> k_scale,
+                          ffi::Buffer<ffi::F32> v_scale, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> table,
+                          ffi::Buffer<ffi::PRED> visible, ffi::Buffer<ffi::F32> sink, ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), td = table.dimensions();
+  if (qd.size() != 4 || kd.size() != 5 || vd.size() != 5 || td.size() != 2 || td[0] != qd[0] || kd[4] != qd[3] ||
+      vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] || vd[3] != kd[3] || kd[3] < 1 || qd[2] % kd[3])
+    return ffi::Error::InvalidArgument("decode_attention_paged: q [B, T, N, H], k/v [L, P, ps, K, H], table [B, NP]");
+  Fused d;
+  d.B = qd[0], d.T = qd[1], d.N = qd[2], d.H = qd[3], d.K = kd[3], d.G = d.N / d.K, d.Hv = vd[4];
+  d.C = td[1] * kd[2];
+  d.chunks = (d.C + kChunk - 1) / kChunk;
+  d.layer = layer.typed_data()[0];
+  d.scale = scale, d.softcap = softcap, d.has_sink = has_sink != 0;
+  if (static_cast<int64_t>(visible.element_count()) != d.B * d.T * d.C || (d.has_sink && sink.element_count() != static_cast<size_t>(d.N)))
+    return ffi::Error::InvalidArgument("decode_attention_paged: visible [B, T, NP * ps], sink [N]");
+  if (d.layer < 0 || d.layer >= kd[0]) return ffi::Error::InvalidArgument("decode_attention_paged: layer out of range");
+  const bool* vis = reinterpret_cast<const bool*>(visible.untyped_data());
+  const int32_t* tp = table.typed_data();
+  if (k.element_type() == ffi::F32 && v.element_type() == ffi::F32) {
+    const Gathered<float> at{static_cast<const float*>(k.untyped_data()), static_cast<const float*>(v.untyped_data()),
+                             nullptr, nullptr, tp, kd[1], kd[2], td[1]};
+    attend_chunks(d, pool, q.typed_data(), at, vis, sink.typed_data(), out->typed_data());
+    return ffi::Error::Success();
+  }
+  if (k.element_type() == ffi::S8 && v.element_type() == ffi::S8) {
+    if (static_cast<int64_t>(k_scale.element_count()) != kd[0] * kd[1] * kd[2] * kd[3] ||
+        v_scale.element_count() != k_scale.element_count())
+      return ffi::Error::InvalidArgument("decode_attention_paged: int8 storage needs scales [L, P, ps, K]");
+    const Gathered<int8_t> at{static_cast<const int8_t*>(k.untyped_data()), static_cast<const int8_t*>(v.untyped_data()),
+                              k_scale.typed_data(), v_scale.typed_data(), tp, kd[1], kd[2], td[1]};
+    attend_chunks(d, pool, q.typed_data(), at, vis, sink.typed_data(), out->typed_data());
+    return ffi::Error::Success();
+  }
+  return ffi::Error::InvalidArgument("decode_attention_paged: K/V storage must be float32 or int8");
 }
 
 }  // namespace
@@ -600,6 +713,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(causal_lm_decode_attention, Attention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(causal_lm_decode_attention_paged, PagedAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Attr<float>("scale")
+                                  .Attr<float>("softcap")
+                                  .Attr<int32_t>("has_sink")
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

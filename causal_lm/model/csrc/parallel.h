@@ -1,5 +1,5 @@
 // Work split over the caller and XLA's intra-op thread pool, shared by the decode kernels (matvec.cc,
-// decode_attention.cc, paged_attention.cc).
+// decode_attention.cc).
 //
 // A decode step is ~150 kernel calls of 50-300 us each, a few microseconds apart. A helper scheduled into XLA's pool
 // for each call starts 20-50 us late (its thread was asleep), a fifth of a small product, during which the caller
