@@ -582,12 +582,16 @@ MUTANTS = [
     ),
     # ---- decode attention reading the pages in place (csrc/decode_attention.cc's paged form) ---------------------
     dict(
-        name="paged-attention-page-boundary-off-by-one",
+        name="paged-attention-run-crosses-the-page-end",
         file="causal_lm/model/csrc/decode_attention.cc",
-        old="const int64_t page = table[b * NP + at / ps];",
-        new="const int64_t page = table[b * NP + (at + 1) / ps];",
-        tests=["tests/test_paged_attention.py::test_kernel_equals_gathered_xla_attention[gqa-float32]"],
-        why="the kernel maps a slot to its page one slot early: each page's last key is read from the next page",
+        old="n = std::min(J - j, ps - offset);",
+        new="n = std::min(J - j, ps);",
+        tests=[
+            "tests/test_paged_attention.py::test_kernel_equals_xla_with_windows_sinks_and_softcap",
+            "tests/test_paged_attention.py::test_paged_rows_have_the_bits_of_the_contiguous_kernel[float32]",
+        ],
+        why="a run of slots copied from one page does not stop at the page's end when it starts mid-page (a window): "
+        "its last slots come from whatever page lies next in the pool",
     ),
     dict(
         name="paged-attention-reads-masked-key",

@@ -193,7 +193,7 @@ def test_paged_rows_have_the_bits_of_the_contiguous_kernel(storage):
         vf = v = rng.standard_normal((L, P, ps, K, H)).astype(np.float32)
         ks = vs = np.zeros((1,), np.float32)
     table = rng.permutation(P)[: B * NP].reshape(B, NP).astype(np.int32)
-    table[0, 3] = P  # a missing page inside row 0's visible range
+    table[0, [3, 13]] = P  # missing pages inside row 0's visible range, in its first and second chunks
     j = np.arange(C)
     visible = np.zeros((B, T, C), bool)
     visible[0] = j < np.array([[250], [251]])
