@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
+#include <string>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -628,6 +629,21 @@ void attend_chunks(const Fused& d, ffi::ThreadPool& pool, const float* q, const 
     }
 }
 
+// A call's dimensions (q [B, T, N, H], C slots a row, K KV heads, Hv, L layers) and attributes into d, with the
+// checks both whole-attention forms share: visible [B, T, C], sink [N] when there is one, the layer within [0, L).
+ffi::Error dims(Fused& d, const std::string& name, ffi::Span<const int64_t> qd, int64_t C, int64_t K, int64_t Hv,
+                int64_t L, ffi::Buffer<ffi::S32> layer, float scale, float softcap, int32_t has_sink,
+                ffi::Buffer<ffi::PRED> visible, ffi::Buffer<ffi::F32> sink) {
+  d.B = qd[0], d.T = qd[1], d.N = qd[2], d.H = qd[3], d.C = C, d.K = K, d.G = d.N / d.K, d.Hv = Hv;
+  d.chunks = (d.C + kChunk - 1) / kChunk;
+  d.layer = layer.typed_data()[0];
+  d.scale = scale, d.softcap = softcap, d.has_sink = has_sink != 0;
+  if (static_cast<int64_t>(visible.element_count()) != d.B * d.T * d.C || (d.has_sink && sink.element_count() != static_cast<size_t>(d.N)))
+    return ffi::Error::InvalidArgument(name + ": visible [B, T, C], sink [N]");
+  if (d.layer < 0 || d.layer >= L) return ffi::Error::InvalidArgument(name + ": layer out of range");
+  return ffi::Error::Success();
+}
+
 ffi::Error Attention(ffi::ThreadPool pool, float scale, float softcap, int32_t has_sink, ffi::Buffer<ffi::F32> q,
                      ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer,
                      ffi::Buffer<ffi::PRED> visible, ffi::Buffer<ffi::F32> sink, ffi::ResultBuffer<ffi::F32> out) {
@@ -636,13 +652,10 @@ ffi::Error Attention(ffi::ThreadPool pool, float scale, float softcap, int32_t h
       vd[0] != kd[0] || vd[2] != kd[2] || vd[3] != kd[3] || kd[3] < 1 || qd[2] % kd[3])
     return ffi::Error::InvalidArgument("decode_attention: q [B, T, N, H], k [L, B, C, K, H], v [L, B, C, K, Hv]");
   Fused d;
-  d.B = qd[0], d.T = qd[1], d.N = qd[2], d.H = qd[3], d.C = kd[2], d.K = kd[3], d.G = d.N / d.K, d.Hv = vd[4];
-  d.chunks = (d.C + kChunk - 1) / kChunk;
-  d.layer = layer.typed_data()[0];
-  d.scale = scale, d.softcap = softcap, d.has_sink = has_sink != 0;
-  if (static_cast<int64_t>(visible.element_count()) != d.B * d.T * d.C || (d.has_sink && sink.element_count() != static_cast<size_t>(d.N)))
-    return ffi::Error::InvalidArgument("decode_attention: visible [B, T, C], sink [N]");
-  if (d.layer < 0 || d.layer >= kd[0]) return ffi::Error::InvalidArgument("decode_attention: layer out of range");
+  if (ffi::Error e = dims(d, "decode_attention", qd, kd[2], kd[3], vd[4], kd[0], layer, scale, softcap, has_sink,
+                          visible, sink);
+      e.failure())
+    return e;
   const bool* vis = reinterpret_cast<const bool*>(visible.untyped_data());
   attend_chunks(d, pool, q.typed_data(), InPlace{k.typed_data(), v.typed_data()}, vis, sink.typed_data(), out->typed_data());
   return ffi::Error::Success();
@@ -662,14 +675,10 @@ ffi::Error PagedAttention(ffi::ThreadPool pool, float scale, float softcap, int3
       vd[0] != kd[0] || vd[1] != kd[1] || vd[2] != kd[2] || vd[3] != kd[3] || kd[3] < 1 || qd[2] % kd[3])
     return ffi::Error::InvalidArgument("decode_attention_paged: q [B, T, N, H], k/v [L, P, ps, K, H], table [B, NP]");
   Fused d;
-  d.B = qd[0], d.T = qd[1], d.N = qd[2], d.H = qd[3], d.K = kd[3], d.G = d.N / d.K, d.Hv = vd[4];
-  d.C = td[1] * kd[2];
-  d.chunks = (d.C + kChunk - 1) / kChunk;
-  d.layer = layer.typed_data()[0];
-  d.scale = scale, d.softcap = softcap, d.has_sink = has_sink != 0;
-  if (static_cast<int64_t>(visible.element_count()) != d.B * d.T * d.C || (d.has_sink && sink.element_count() != static_cast<size_t>(d.N)))
-    return ffi::Error::InvalidArgument("decode_attention_paged: visible [B, T, NP * ps], sink [N]");
-  if (d.layer < 0 || d.layer >= kd[0]) return ffi::Error::InvalidArgument("decode_attention_paged: layer out of range");
+  if (ffi::Error e = dims(d, "decode_attention_paged", qd, td[1] * kd[2], kd[3], vd[4], kd[0], layer, scale, softcap,
+                          has_sink, visible, sink);
+      e.failure())
+    return e;
   const bool* vis = reinterpret_cast<const bool*>(visible.untyped_data());
   const int32_t* tp = table.typed_data();
   if (k.element_type() == ffi::F32 && v.element_type() == ffi::F32) {
