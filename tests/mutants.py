@@ -1558,6 +1558,36 @@ MUTANTS = [
         why="a row still above the floor after a second timing is printed as a figure like any other",
     ),
     dict(
+        name="bench-serve-reps-keep-the-last",
+        file="causal_lm/bench/serve.py",
+        old='            if name not in best or v["tokens_per_s"] > best[name]["tokens_per_s"]:',
+        new="            if True:",
+        tests=["tests/test_bench.py::test_bench_serve_turns_keep_each_systems_fastest_rep"],
+        why="bench serve --reps keeps each system's last rep, not its fastest: a slow minute at the end sets the ratio",
+    ),
+    dict(
+        name="bench-serve-reps-on-the-same-prompts",
+        file="causal_lm/bench/serve.py",
+        old="        work = base if r == 0 else _new_ids(base, vocab_size, seed + 1000 + r)",
+        new="        work = base",
+        tests=[
+            "tests/test_bench.py::test_bench_serve_turns_keep_each_systems_fastest_rep",
+            "tests/test_bench.py::test_bench_serve_keys_and_token_counts",
+        ],
+        why="bench serve's later reps repeat the first's prompts: the engine serves them from its prefix cache",
+    ),
+    dict(
+        name="bench-serve-reps-one-system-after-another",
+        file="causal_lm/bench/serve.py",
+        old="    for r in range(reps):\n"
+        "        work = base if r == 0 else _new_ids(base, vocab_size, seed + 1000 + r)\n"
+        "        for name, run in systems.items():",
+        new="    for name, run in systems.items():\n        for r in range(reps):\n"
+        "            work = base if r == 0 else _new_ids(base, vocab_size, seed + 1000 + r)",
+        tests=["tests/test_bench.py::test_bench_serve_turns_keep_each_systems_fastest_rep"],
+        why="bench serve times every rep of the engine, then of generate: a VM that slows in between moves the ratio",
+    ),
+    dict(
         name="bench-alternation-one-runner-after-another",
         file="causal_lm/bench/decode.py",
         old="    for _ in range(reps):\n        for run, b in zip(runs, best, strict=True):",

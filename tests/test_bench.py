@@ -281,11 +281,15 @@ def test_bench_serve_keys_and_token_counts(capsys):
     code = main(
         ["bench", "serve", "--config", "tiny", "--json", "--no-peer", "--requests", "4", "--prompt-range", "3,8",
          "--new-range", "2,4", "--max-seqs", "4", "--page-size", "4", "--max-step-tokens", "16", "--rate", "50",
-         "model.num_layers=1", "model.d_model=32"]
+         "--reps", "2", "model.num_layers=1", "model.d_model=32"]
     )  # fmt: skip
     assert code == 0
     r = json.loads(capsys.readouterr().out)
-    assert r["peer"] == "skipped" and r["benchmark"] == "serve"
+    assert r["peer"] == "skipped" and r["benchmark"] == "serve" and r["workload"]["reps"] == 2
+    for v in r["runs"]["all"].values():  # two turns each, the fastest kept
+        assert len(v["tokens_per_s_reps"]) == 2 and v["tokens_per_s"] == max(v["tokens_per_s_reps"])
+    # each rep on new prompt ids: the engine's cache never serves a later rep from an earlier one's pages
+    assert r["runs"]["all"]["engine"]["prefix_hit_pages_reps"] == [0, 0]
     assert set(r["runs"]) == {"all", "poisson"}
     assert set(r["runs"]["all"]) == {"engine", "generate_x1", "generate_x8"} and set(r["runs"]["poisson"]) == {"engine"}
     for runs in r["runs"].values():
@@ -297,6 +301,34 @@ def test_bench_serve_keys_and_token_counts(capsys):
     assert 0 < e["pages_peak"] <= e["pages_total"] and e["prefix_hit_pages"] >= 0
     assert set(r["ratios"]) == {"engine_vs_generate_x1", "engine_vs_generate_x8"}
     assert r["workload"]["poisson_rate_per_s"] == 50
+
+
+def test_bench_serve_turns_keep_each_systems_fastest_rep():
+    """`bench serve --reps`: every system runs once per rep in turn, rep 0 on the workload itself and each later rep
+    on new prompt ids of the same lengths and counts; each system's fastest rep counts, its rates all recorded."""
+    from causal_lm.bench.serve import _take_turns, workload
+
+    base = workload(3, (4, 9), (2, 5), 1000, arrival="all", rate=1.0)
+    seen, order = [], []
+
+    def system(name, rates):
+        def run(work):
+            order.append(name)
+            seen.append(work)
+            return {"tokens_per_s": rates[len([n for n in order if n == name]) - 1], "wall_s": 1.0}
+
+        return run
+
+    best = _take_turns({"a": system("a", [3.0, 5.0, 4.0]), "b": system("b", [7.0, 2.0, 6.0])}, base, 3, 1000, 0)
+    assert order == ["a", "b"] * 3
+    assert best["a"]["tokens_per_s"] == 5.0 and best["a"]["tokens_per_s_reps"] == [3.0, 5.0, 4.0]
+    assert best["b"]["tokens_per_s"] == 7.0 and best["b"]["tokens_per_s_reps"] == [7.0, 2.0, 6.0]
+    assert seen[0] is base and seen[1] is base  # rep 0: both systems on the workload itself
+    assert seen[2] is seen[3] and seen[4] is seen[5]  # one workload per rep, shared by the systems
+    for a, b in ((base, seen[2]), (base, seen[4]), (seen[2], seen[4])):
+        assert [len(w["prompt"]) for w in a] == [len(w["prompt"]) for w in b]
+        assert [w["max_tokens"] for w in a] == [w["max_tokens"] for w in b]
+        assert all(x["prompt"] != y["prompt"] for x, y in zip(a, b, strict=True))
 
 
 def test_a_decode_rate_above_the_floor_is_timed_again_and_marked():

@@ -104,6 +104,13 @@ def register(sub):
     s.add_argument(
         "--burst-steps", type=int, default=1, help="engine decode steps per dispatch when all rows decode (default 1)"
     )
+    s.add_argument(
+        "--reps",
+        type=int,
+        default=1,
+        help="timed runs of each system on the all-at-once workload, the systems taking turns (new prompt ids each "
+        "rep); each system's fastest counts (default 1)",
+    )
     s.set_defaults(func=run_serve)
     lc = which.add_parser(
         "llama-cpp",
@@ -234,6 +241,7 @@ def run_serve(args) -> int:
         burst_steps=args.burst_steps,
         baselines=not args.no_baselines,
         peer=not args.no_peer,
+        reps=args.reps,
     )
     print(json.dumps(r) if args.json else format_serve(r))
     return 0
