@@ -303,6 +303,13 @@ def test_bench_serve_keys_and_token_counts(capsys):
     assert r["workload"]["poisson_rate_per_s"] == 50
 
 
+def test_bench_serve_refuses_a_bad_reps_count_in_one_line(capsys):
+    capsys.readouterr()
+    assert main(["bench", "serve", "--config", "tiny", "--no-peer", "--reps", "0"]) == 2
+    cap = capsys.readouterr()
+    assert cap.out == "" and cap.err.strip().splitlines() == ["causal-lm bench: error: --reps must be >= 1, got 0"]
+
+
 def test_bench_serve_turns_keep_each_systems_fastest_rep():
     """`bench serve --reps`: every system runs once per rep in turn, rep 0 on the workload itself and each later rep
     on new prompt ids of the same lengths and counts; each system's fastest rep counts, its rates all recorded."""

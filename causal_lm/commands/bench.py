@@ -228,6 +228,8 @@ def run_serve(args) -> int:
     arrivals = tuple(x.strip() for x in args.arrivals.split(",") if x.strip())
     if not arrivals or any(a not in ("all", "poisson") for a in arrivals):
         raise ValueError(f"--arrivals takes all and/or poisson, got {args.arrivals!r}")
+    if args.reps < 1:
+        raise ValueError(f"--reps must be >= 1, got {args.reps}")
     r = bench_serve(
         config_from_args(args),
         requests=args.requests or 64,
