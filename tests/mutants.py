@@ -1558,6 +1558,23 @@ MUTANTS = [
         why="a row still above the floor after a second timing is printed as a figure like any other",
     ),
     dict(
+        name="eval-weights-scores-the-training-corpus",
+        file="causal_lm/commands/eval.py",
+        old="    splits = build_data(config, tokenizer, corpus=data, max_val_batches=max_batches)\n"
+        "    batch = splits.val[0]",
+        new="    splits = build_data(config, tokenizer, max_val_batches=max_batches)\n    batch = splits.val[0]",
+        tests=["tests/test_train.py::test_eval_weights_scores_the_data_asked_for"],
+        why="eval --weights ignores --data: it reports the training corpus's bits/byte as the asked-for text's",
+    ),
+    dict(
+        name="eval-int4-minimums-dropped",
+        file="causal_lm/commands/eval.py",
+        old='group_size, minimums and w == "int4")',
+        new="group_size, False)",
+        tests=["tests/test_train.py::test_eval_weights_scores_the_data_asked_for"],
+        why="eval --weights int4 --minimums measures symmetric int4 groups and reports them as the asked-for format",
+    ),
+    dict(
         name="bench-serve-reps-keep-the-last",
         file="causal_lm/bench/serve.py",
         old='            if name not in best or v["tokens_per_s"] > best[name]["tokens_per_s"]:',

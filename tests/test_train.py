@@ -201,6 +201,36 @@ def test_trained_checkpoint_round_trip(trained, capsys):
     assert capsys.readouterr().out.startswith("The ")
 
 
+def test_eval_weights_scores_the_data_asked_for(trained, tmp_path, capsys):
+    """`eval --weights` scores --data's validation split (it once scored the training corpus whatever --data said):
+    its float32 row is the plain eval of that data; --minimums reaches the int4 row; misuse is one line."""
+    data = tmp_path / "other.txt"
+    data.write_text("Quantized weights are read in blocks, each with its own scale.\n\n" * 40)
+    common = ["eval", "--workdir", trained, "--json", "--max-batches", "2"]
+    capsys.readouterr()
+    assert main([*common, "--data", str(data)]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(common) == 0
+    own = json.loads(capsys.readouterr().out)
+    assert own["loss"] != pytest.approx(plain["loss"], abs=1e-3)  # the two corpora do score differently
+    assert main([*common, "--data", str(data), "--weights", "int4", "--minimums", "--greedy-tokens", "4"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["weights"], r["minimums"], r["corpus"]) for r in rows] == [
+        ("float32", None, str(data)),
+        ("int4", True, str(data)),
+    ]
+    assert rows[0]["loss"] == pytest.approx(plain["loss"], abs=1e-6) and rows[0]["tokens"] == plain["tokens"]
+    assert abs(rows[1]["bits_per_byte_vs_float32"]) < 0.05
+    for argv, expected in [
+        ([*common, "--minimums"], "--minimums applies with --weights int4"),
+        ([*common, "--weights", "int8", "--minimums"], "--minimums applies with --weights int4"),
+        ([*common, "--weights", "int8", "--split", "train"], "drop --split train"),
+    ]:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "error:" in err[0] and expected in err[0], err
+
+
 def test_mismatched_checkpoint_is_an_error_naming_parameters(trained, capsys):
     before = open(os.path.join(trained, "metrics.jsonl")).read()
     with pytest.raises(CheckpointError) as e:

@@ -8,7 +8,7 @@ import json
 import numpy as np
 
 from causal_lm.commands.common import parse_step
-from causal_lm.commands.generate import apply_weights
+from causal_lm.commands.generate import add_minimums_arg, apply_weights, check_minimums
 from causal_lm.data import build_data
 from causal_lm.decode import generate
 from causal_lm.model.functional import forward
@@ -46,6 +46,7 @@ def register(sub):
         "(quantized from the float checkpoint); each quantized one is also compared with float32 (below)",
     )
     p.add_argument("--group-size", type=int, default=None, help="with --weights: inputs per scale (int8, int4)")
+    add_minimums_arg(p)
     p.add_argument(
         "--greedy-tokens",
         type=int,
@@ -74,14 +75,22 @@ def evaluate_workdir(
 
 
 def compare_weights(
-    workdir: str, weights: list, group_size=None, greedy_tokens: int = 256, step=None, max_batches: int = 0
+    workdir: str,
+    weights: list,
+    group_size=None,
+    greedy_tokens: int = 256,
+    step=None,
+    max_batches: int = 0,
+    data: str | None = None,
+    minimums: bool = False,
 ) -> list:
     """One dict per format of `weights`: the validation metrics of the model stored in that format, and for a
     quantized one against float32: the relative change of bits/byte, the largest logit difference teacher-forced
     on the first validation batch, and how many of `greedy_tokens` greedy tokens equal float32's (and where the
-    first difference is)."""
+    first difference is). data: the corpus whose validation split is scored (default: the model's own, as in
+    `evaluate_workdir`); minimums: int4 groups with minimums."""
     model, tokenizer, config = load_for_inference(workdir, step)
-    splits = build_data(config, tokenizer, max_val_batches=max_batches)
+    splits = build_data(config, tokenizer, corpus=data, max_val_batches=max_batches)
     batch = splits.val[0]
     prompt = [np.asarray(batch["tokens"][0][:16]).tolist()]
     n = min(greedy_tokens, config.model.max_seq_len - len(prompt[0]))
@@ -90,9 +99,14 @@ def compare_weights(
     ref_tokens = generate(float_model, prompt, max_new_tokens=n).tokens[0] if n > 0 else []
     rows = []
     for w in weights:
-        m = apply_weights(model, w, None if w == "float32" else group_size)
+        m = apply_weights(model, w, None if w == "float32" else group_size, minimums and w == "int4")
         r = evaluate(m, splits.val, splits.token_bytes)
-        r.update(weights=w, group_size=m.config.weights_group_size if w != "float32" else None)
+        r.update(
+            weights=w,
+            group_size=m.config.weights_group_size if w != "float32" else None,
+            minimums=bool(m.config.weights_minimums) if w == "int4" else None,
+            corpus=data or config.data.corpus,
+        )
         logits = np.asarray(forward(m, batch["tokens"], segment_ids=batch.get("segment_ids"))[0])
         valid = np.asarray(batch.get("segment_ids", np.ones(logits.shape[:2]))) != 0
         r["max_logit_diff"] = float(np.abs(logits - ref_logits)[valid].max())
@@ -123,21 +137,36 @@ def run(args) -> int:
         weights = _weights_list(args.weights)  # before loading anything
         if args.greedy_tokens < 0:
             raise ValueError(f"--greedy-tokens must be >= 0, got {args.greedy_tokens}")
-        rows = compare_weights(args.workdir, weights, args.group_size, args.greedy_tokens, step, args.max_batches)
+        if args.minimums and "int4" not in weights:
+            raise ValueError("--minimums applies with --weights int4")
+        if args.split != "val":
+            raise ValueError("--weights compares the formats on the validation split: drop --split train")
+        rows = compare_weights(
+            args.workdir,
+            weights,
+            args.group_size,
+            args.greedy_tokens,
+            step,
+            args.max_batches,
+            data=args.data,
+            minimums=args.minimums,
+        )
         if args.json:
             print(json.dumps(rows))
             return 0
         for r in rows:
             vs = "" if r["weights"] == "float32" else f" ({100 * r['bits_per_byte_vs_float32']:+.3f}% vs float32)"
             first = r["first_greedy_difference"]
+            name = r["weights"] + (" (minimums)" if r["minimums"] else "")
             print(
-                f"{r['weights']}: loss {r['loss']:.4f}, {r['bits_per_byte']:.4f} bits/byte{vs}, max logit diff "
+                f"{name}: loss {r['loss']:.4f}, {r['bits_per_byte']:.4f} bits/byte{vs}, max logit diff "
                 f"{r['max_logit_diff']:.3g}, greedy tokens equal to float32 {r['greedy_equal']}"
                 + ("" if first is None else f" (first difference at token {first})")
             )
         return 0
     if args.group_size is not None:
         raise ValueError("--group-size applies with --weights")
+    check_minimums(None, args.minimums)
     r = evaluate_workdir(args.workdir, args.data, args.split, step, args.max_batches)
     if args.json:
         print(json.dumps(r))

@@ -82,6 +82,7 @@ def register(sub):
         "quantizes a float model (causal_lm.quantize); default: as loaded",
     )
     p.add_argument("--group-size", type=int, default=None, help="with --weights int8/int4: inputs per scale")
+    add_minimums_arg(p)
     p.add_argument(
         "--gguf",
         metavar="FILE",
@@ -91,20 +92,38 @@ def register(sub):
     p.set_defaults(func=run)
 
 
-def apply_weights(model, weights, group_size=None):
+def add_minimums_arg(p) -> None:
+    p.add_argument(
+        "--minimums",
+        action="store_true",
+        help="with --weights int4: each group stores its minimum besides its scale (asymmetric, as GGUF's Q4_1): "
+        "4 bytes more per group, a closer fit (measured: docs/performance.md#weight-only-quantization)",
+    )
+
+
+def check_minimums(weights, minimums: bool) -> None:
+    """--minimums needs int4 weights to apply to (refused before anything loads)."""
+    if minimums and weights != "int4":
+        raise ValueError("--minimums applies with --weights int4")
+
+
+def apply_weights(model, weights, group_size=None, minimums: bool = False):
     """The model with `--weights` applied: quantized from float, or unchanged when it already is that format."""
     if weights is not None and weights not in ("float32", "int8", "int4"):
         raise ValueError(f"--weights must be one of float32, int8, int4, got {weights!r}")
+    check_minimums(weights, minimums)
     have = model.config.weights
     if weights is None or weights == have:
         if group_size is not None and weights is None:
             raise ValueError("--group-size applies with --weights int8|int4")
+        if minimums and not model.config.weights_minimums:
+            raise ValueError("the model's int4 weights have no minimums: --minimums cannot add them (load a float one)")
         return model
     if have != "float32":
         raise ValueError(f"the model's weights are {have}: --weights {weights} cannot convert them (load a float one)")
     if weights == "float32":
         return model
-    return quantize(model, weights, group_size=group_size)
+    return quantize(model, weights, group_size=group_size, minimums=minimums)
 
 
 def _finite(text: str) -> float:
@@ -192,8 +211,9 @@ def run(args) -> int:
     _check_args(args)
     if args.weights is not None and args.weights not in ("float32", "int8", "int4"):  # before loading anything
         raise ValueError(f"--weights must be one of float32, int8, int4, got {args.weights!r}")
+    check_minimums(args.weights, args.minimums)
     model, tok = load_model_and_tokenizer(args.workdir, args.config, args.overrides, args.gguf)
-    model = apply_weights(model, args.weights, args.group_size)
+    model = apply_weights(model, args.weights, args.group_size, args.minimums)
     speculative = args.speculative
     if speculative is not None and speculative != "ngram":
         speculative = load_draft(speculative, model, tok)  # refused before anything is printed
