@@ -372,6 +372,7 @@ class ModelConfig:
     weights: str = "float32"
     weights_group_size: int = 0  # 0: one group spanning the input (int8 per output channel)
     weights_minimums: bool = False
+    weights_embed: str = ""  # the embedding table / output head's format when not `weights` ("int8"); "": as weights
     # What the backward pass recomputes: "none" (keep every matmul output), "minimal" (keep only the named
     # projection outputs q/k/v/o and the MLP's, recompute the rest), "full" (keep each block's input only).
     # Old configs' true/false mean full/none.
@@ -448,6 +449,11 @@ class ModelConfig:
         _check(
             isinstance(self.weights_group_size, int) and self.weights_group_size >= 0,
             f"model.weights_group_size must be a non-negative integer, got {self.weights_group_size!r}",
+        )
+        _check(
+            self.weights_embed in ("",) + WEIGHTS[1:] and (not self.weights_embed or self.weights != "float32"),
+            f"model.weights_embed must be '' (as model.weights) or one of {WEIGHTS[1:]} with quantized weights, "
+            f"got {self.weights_embed!r}",
         )
 
     def _derive_sizes(self):

@@ -1575,6 +1575,22 @@ MUTANTS = [
         why="eval --weights int4 --minimums measures symmetric int4 groups and reports them as the asked-for format",
     ),
     dict(
+        name="quantize-embed-format-ignored",
+        file="causal_lm/model/quant.py",
+        old="        (bits, g, minimums) if embed in (None, weights) else",
+        new="        (bits, g, minimums) if True else",
+        tests=["tests/test_quant.py::test_an_int8_embedding_under_int4_weights_saves_loads_and_decodes"],
+        why="quantize(embed='int8') stores the table in the layers' int4 while the config says int8",
+    ),
+    dict(
+        name="build-model-drops-the-embed-format",
+        file="causal_lm/model/transformer.py",
+        old="config.weights_minimums, config.weights_embed or None",
+        new="config.weights_minimums, None",
+        tests=["tests/test_quant.py::test_an_int8_embedding_under_int4_weights_saves_loads_and_decodes"],
+        why="a checkpoint of a model with an int8 table under int4 layers rebuilds an int4 table: it cannot load",
+    ),
+    dict(
         name="bench-serve-reps-keep-the-last",
         file="causal_lm/bench/serve.py",
         old='            if name not in best or v["tokens_per_s"] > best[name]["tokens_per_s"]:',

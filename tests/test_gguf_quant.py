@@ -72,6 +72,7 @@ def test_cli_convert_quantize_and_bad_weights_are_one_line(hf_model, tok, tmp_pa
         (["generate", "--config", "tiny", "--weights", "int4", "--group-size", "12"], "group_size 12 does not divide"),
         (["generate", "--workdir", wd, "--weights", "int4"], "the model's weights are int8"),
         (["generate", "--workdir", wd, "--weights", "int8", "--minimums"], "--minimums applies with --weights int4"),
+        (["generate", "--workdir", wd, "--embed-weights", "int8"], "--embed-weights applies with --weights int8|int4"),
         (["convert", "--from-gguf", path, "--workdir", wd + "2", "--quantize", "int3"], "--quantize must be int8"),
     ]:
         assert main(argv) == 2, argv

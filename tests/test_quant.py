@@ -146,6 +146,35 @@ def test_quantized_checkpoint_saves_verifies_and_loads(tmp_path):
     np.testing.assert_array_equal(np.asarray(loaded(tokens)[0]), np.asarray(model(tokens)[0]))
 
 
+@pytest.mark.slow
+def test_an_int8_embedding_under_int4_weights_saves_loads_and_decodes(tmp_path):
+    """quantize(..., embed="int8"): the layers in int4 groups, the table / head per channel in int8 (GGUF's own
+    layout), recorded in the config, so a checkpoint rebuilds it; the cached decode equals its own recompute."""
+    from causal_lm.config import Config
+    from causal_lm.data.tokenizer import ByteTokenizer
+    from causal_lm.train import load_for_inference, save_for_inference
+
+    config = tiny_config("gqa", vocab_size=259, max_seq_len=128)
+    float_model = build_model(config)
+    model = quantize(float_model, "int4", group_size=16, minimums=True, embed="int8")
+    assert model.config.weights_embed == "int8" and model.blocks.mlp.w_up.data[...].dtype == jnp.uint8
+    table, int8_table = model.embed[...], quantize(float_model, "int8").embed[...]
+    assert table.bits == 8 and table.group == config.d_model and table.minimum is None
+    np.testing.assert_array_equal(np.asarray(table.data), np.asarray(int8_table.data))
+    assert quantize(float_model, "int4", 16, embed="int4").config.weights_embed == ""  # the same format: no mark
+    save_for_inference(str(tmp_path), model, Config(model=model.config), ByteTokenizer())
+    loaded, _, loaded_config = load_for_inference(str(tmp_path))
+    assert loaded_config.model.weights_embed == "int8" and loaded.embed[...].data.dtype == jnp.int8
+    tokens = jnp.asarray([[5, 17, 200, 3]])
+    np.testing.assert_array_equal(np.asarray(loaded(tokens)[0]), np.asarray(model(tokens)[0]))
+    cached = generate(loaded, [[5, 17, 200, 3]], max_new_tokens=6, return_logits=True)
+    recomputed = generate(loaded, [[5, 17, 200, 3]], max_new_tokens=6, use_cache=False, return_logits=True)
+    assert cached.tokens == recomputed.tokens
+    np.testing.assert_allclose(cached.logits, recomputed.logits, rtol=0, atol=1e-5)
+    with pytest.raises(QuantizeError, match="embed must be one of int8, int4"):
+        quantize(float_model, "int4", 16, embed="int3")
+
+
 def test_bad_formats_and_group_sizes_are_one_line_errors():
     model = tiny_model(tiny_config("gqa"))
     with pytest.raises(QuantizeError, match="weights must be one of float32, int8, int4, got 'int3'") as e:

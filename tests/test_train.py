@@ -215,16 +215,19 @@ def test_eval_weights_scores_the_data_asked_for(trained, tmp_path, capsys):
     assert own["loss"] != pytest.approx(plain["loss"], abs=1e-3)  # the two corpora do score differently
     assert main([*common, "--data", str(data), "--weights", "int4", "--minimums", "--greedy-tokens", "4"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [(r["weights"], r["minimums"], r["corpus"]) for r in rows] == [
-        ("float32", None, str(data)),
-        ("int4", True, str(data)),
+    assert [(r["weights"], r["minimums"], r["embed_weights"], r["corpus"]) for r in rows] == [
+        ("float32", None, None, str(data)),
+        ("int4", True, "int4", str(data)),
     ]
+    assert main([*common, "--weights", "int4", "--embed-weights", "int8", "--greedy-tokens", "0"]) == 0
+    assert json.loads(capsys.readouterr().out)[1]["embed_weights"] == "int8"
     assert rows[0]["loss"] == pytest.approx(plain["loss"], abs=1e-6) and rows[0]["tokens"] == plain["tokens"]
     assert abs(rows[1]["bits_per_byte_vs_float32"]) < 0.05
     for argv, expected in [
         ([*common, "--minimums"], "--minimums applies with --weights int4"),
         ([*common, "--weights", "int8", "--minimums"], "--minimums applies with --weights int4"),
         ([*common, "--weights", "int8", "--split", "train"], "drop --split train"),
+        ([*common, "--embed-weights", "int8"], "--embed-weights applies with --weights int8|int4"),
     ]:
         assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()

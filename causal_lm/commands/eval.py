@@ -83,12 +83,13 @@ def compare_weights(
     max_batches: int = 0,
     data: str | None = None,
     minimums: bool = False,
+    embed: str | None = None,
 ) -> list:
     """One dict per format of `weights`: the validation metrics of the model stored in that format, and for a
     quantized one against float32: the relative change of bits/byte, the largest logit difference teacher-forced
     on the first validation batch, and how many of `greedy_tokens` greedy tokens equal float32's (and where the
     first difference is). data: the corpus whose validation split is scored (default: the model's own, as in
-    `evaluate_workdir`); minimums: int4 groups with minimums."""
+    `evaluate_workdir`); minimums: int4 groups with minimums; embed: the embedding and head's format."""
     model, tokenizer, config = load_for_inference(workdir, step)
     splits = build_data(config, tokenizer, corpus=data, max_val_batches=max_batches)
     batch = splits.val[0]
@@ -99,12 +100,14 @@ def compare_weights(
     ref_tokens = generate(float_model, prompt, max_new_tokens=n).tokens[0] if n > 0 else []
     rows = []
     for w in weights:
-        m = apply_weights(model, w, None if w == "float32" else group_size, minimums and w == "int4")
+        q = w != "float32"
+        m = apply_weights(model, w, group_size if q else None, minimums and w == "int4", embed if q else None)
         r = evaluate(m, splits.val, splits.token_bytes)
         r.update(
             weights=w,
             group_size=m.config.weights_group_size if w != "float32" else None,
             minimums=bool(m.config.weights_minimums) if w == "int4" else None,
+            embed_weights=(m.config.weights_embed or w) if q else None,
             corpus=data or config.data.corpus,
         )
         logits = np.asarray(forward(m, batch["tokens"], segment_ids=batch.get("segment_ids"))[0])
@@ -139,6 +142,8 @@ def run(args) -> int:
             raise ValueError(f"--greedy-tokens must be >= 0, got {args.greedy_tokens}")
         if args.minimums and "int4" not in weights:
             raise ValueError("--minimums applies with --weights int4")
+        if args.embed_weights is not None and weights == ["float32"]:
+            raise ValueError("--embed-weights applies with --weights int8|int4")
         if args.split != "val":
             raise ValueError("--weights compares the formats on the validation split: drop --split train")
         rows = compare_weights(
@@ -150,6 +155,7 @@ def run(args) -> int:
             args.max_batches,
             data=args.data,
             minimums=args.minimums,
+            embed=args.embed_weights,
         )
         if args.json:
             print(json.dumps(rows))
@@ -158,6 +164,8 @@ def run(args) -> int:
             vs = "" if r["weights"] == "float32" else f" ({100 * r['bits_per_byte_vs_float32']:+.3f}% vs float32)"
             first = r["first_greedy_difference"]
             name = r["weights"] + (" (minimums)" if r["minimums"] else "")
+            if r["embed_weights"] not in (None, r["weights"]):
+                name += f" ({r['embed_weights']} embedding)"
             print(
                 f"{name}: loss {r['loss']:.4f}, {r['bits_per_byte']:.4f} bits/byte{vs}, max logit diff "
                 f"{r['max_logit_diff']:.3g}, greedy tokens equal to float32 {r['greedy_equal']}"
@@ -166,7 +174,7 @@ def run(args) -> int:
         return 0
     if args.group_size is not None:
         raise ValueError("--group-size applies with --weights")
-    check_minimums(None, args.minimums)
+    check_minimums(None, args.minimums, args.embed_weights)
     r = evaluate_workdir(args.workdir, args.data, args.split, step, args.max_batches)
     if args.json:
         print(json.dumps(r))

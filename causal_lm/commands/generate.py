@@ -99,31 +99,44 @@ def add_minimums_arg(p) -> None:
         help="with --weights int4: each group stores its minimum besides its scale (asymmetric, as GGUF's Q4_1): "
         "4 bytes more per group, a closer fit (measured: docs/performance.md#weight-only-quantization)",
     )
+    p.add_argument(
+        "--embed-weights",
+        choices=("int8", "int4"),
+        default=None,
+        help="with --weights: the embedding table and output head in this format instead (int8 under int4 weights: "
+        "the layout GGUF files ship)",
+    )
 
 
-def check_minimums(weights, minimums: bool) -> None:
-    """--minimums needs int4 weights to apply to (refused before anything loads)."""
+def check_minimums(weights, minimums: bool, embed=None) -> None:
+    """--minimums needs int4 weights, --embed-weights quantized ones (refused before anything loads)."""
     if minimums and weights != "int4":
         raise ValueError("--minimums applies with --weights int4")
+    if embed is not None and weights not in ("int8", "int4"):
+        raise ValueError("--embed-weights applies with --weights int8|int4")
 
 
-def apply_weights(model, weights, group_size=None, minimums: bool = False):
+def apply_weights(model, weights, group_size=None, minimums: bool = False, embed=None):
     """The model with `--weights` applied: quantized from float, or unchanged when it already is that format."""
     if weights is not None and weights not in ("float32", "int8", "int4"):
         raise ValueError(f"--weights must be one of float32, int8, int4, got {weights!r}")
-    check_minimums(weights, minimums)
+    check_minimums(weights, minimums, embed)
     have = model.config.weights
     if weights is None or weights == have:
         if group_size is not None and weights is None:
             raise ValueError("--group-size applies with --weights int8|int4")
         if minimums and not model.config.weights_minimums:
             raise ValueError("the model's int4 weights have no minimums: --minimums cannot add them (load a float one)")
+        if embed is not None and embed != (model.config.weights_embed or have):
+            raise ValueError(
+                f"the model's embedding is not {embed}: --embed-weights cannot convert it (load a float one)"
+            )
         return model
     if have != "float32":
         raise ValueError(f"the model's weights are {have}: --weights {weights} cannot convert them (load a float one)")
     if weights == "float32":
         return model
-    return quantize(model, weights, group_size=group_size, minimums=minimums)
+    return quantize(model, weights, group_size=group_size, minimums=minimums, embed=embed)
 
 
 def _finite(text: str) -> float:
@@ -211,9 +224,9 @@ def run(args) -> int:
     _check_args(args)
     if args.weights is not None and args.weights not in ("float32", "int8", "int4"):  # before loading anything
         raise ValueError(f"--weights must be one of float32, int8, int4, got {args.weights!r}")
-    check_minimums(args.weights, args.minimums)
+    check_minimums(args.weights, args.minimums, args.embed_weights)
     model, tok = load_model_and_tokenizer(args.workdir, args.config, args.overrides, args.gguf)
-    model = apply_weights(model, args.weights, args.group_size, args.minimums)
+    model = apply_weights(model, args.weights, args.group_size, args.minimums, args.embed_weights)
     speculative = args.speculative
     if speculative is not None and speculative != "ngram":
         speculative = load_draft(speculative, model, tok)  # refused before anything is printed

@@ -508,8 +508,10 @@ def build_model(config: ModelConfig, seed: int = 0) -> Decoder:
     """A freshly initialised decoder for `config` (parameters drawn from `seed`)."""
     if not isinstance(config, ModelConfig):
         config = getattr(config, "model", config)
-    model = Decoder(config.replace(weights="float32"), nnx.Rngs(params=seed))
+    model = Decoder(config.replace(weights="float32", weights_embed=""), nnx.Rngs(params=seed))
     if config.weights == "float32":
         return model
     # A quantized model (a checkpoint of one): the same structure from quantized random weights.
-    return quantize(model, config.weights, config.weights_group_size, config.weights_minimums)
+    return quantize(
+        model, config.weights, config.weights_group_size, config.weights_minimums, config.weights_embed or None
+    )
