@@ -1569,8 +1569,8 @@ MUTANTS = [
     dict(
         name="eval-int4-minimums-dropped",
         file="causal_lm/commands/eval.py",
-        old='group_size, minimums and w == "int4")',
-        new="group_size, False)",
+        old='minimums and w == "int4", embed if q else None)',
+        new="False, embed if q else None)",
         tests=["tests/test_train.py::test_eval_weights_scores_the_data_asked_for"],
         why="eval --weights int4 --minimums measures symmetric int4 groups and reports them as the asked-for format",
     ),
