@@ -8,7 +8,7 @@ import json
 import numpy as np
 
 from causal_lm.commands.common import parse_step
-from causal_lm.commands.generate import add_minimums_arg, apply_weights, check_minimums
+from causal_lm.commands.generate import add_quantize_args, apply_weights, check_quantize_args
 from causal_lm.data import build_data
 from causal_lm.decode import generate
 from causal_lm.model.functional import forward
@@ -46,7 +46,7 @@ def register(sub):
         "(quantized from the float checkpoint); each quantized one is also compared with float32 (below)",
     )
     p.add_argument("--group-size", type=int, default=None, help="with --weights: inputs per scale (int8, int4)")
-    add_minimums_arg(p)
+    add_quantize_args(p)
     p.add_argument(
         "--greedy-tokens",
         type=int,
@@ -105,7 +105,7 @@ def compare_weights(
         r = evaluate(m, splits.val, splits.token_bytes)
         r.update(
             weights=w,
-            group_size=m.config.weights_group_size if w != "float32" else None,
+            group_size=m.config.weights_group_size if q else None,
             minimums=bool(m.config.weights_minimums) if w == "int4" else None,
             embed_weights=(m.config.weights_embed or w) if q else None,
             corpus=data or config.data.corpus,
@@ -174,7 +174,7 @@ def run(args) -> int:
         return 0
     if args.group_size is not None:
         raise ValueError("--group-size applies with --weights")
-    check_minimums(None, args.minimums, args.embed_weights)
+    check_quantize_args(None, args.minimums, args.embed_weights)
     r = evaluate_workdir(args.workdir, args.data, args.split, step, args.max_batches)
     if args.json:
         print(json.dumps(r))

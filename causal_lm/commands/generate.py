@@ -82,7 +82,7 @@ def register(sub):
         "quantizes a float model (causal_lm.quantize); default: as loaded",
     )
     p.add_argument("--group-size", type=int, default=None, help="with --weights int8/int4: inputs per scale")
-    add_minimums_arg(p)
+    add_quantize_args(p)
     p.add_argument(
         "--gguf",
         metavar="FILE",
@@ -92,7 +92,7 @@ def register(sub):
     p.set_defaults(func=run)
 
 
-def add_minimums_arg(p) -> None:
+def add_quantize_args(p) -> None:
     p.add_argument(
         "--minimums",
         action="store_true",
@@ -108,7 +108,7 @@ def add_minimums_arg(p) -> None:
     )
 
 
-def check_minimums(weights, minimums: bool, embed=None) -> None:
+def check_quantize_args(weights, minimums: bool, embed=None) -> None:
     """--minimums needs int4 weights, --embed-weights quantized ones (refused before anything loads)."""
     if minimums and weights != "int4":
         raise ValueError("--minimums applies with --weights int4")
@@ -120,7 +120,7 @@ def apply_weights(model, weights, group_size=None, minimums: bool = False, embed
     """The model with `--weights` applied: quantized from float, or unchanged when it already is that format."""
     if weights is not None and weights not in ("float32", "int8", "int4"):
         raise ValueError(f"--weights must be one of float32, int8, int4, got {weights!r}")
-    check_minimums(weights, minimums, embed)
+    check_quantize_args(weights, minimums, embed)
     have = model.config.weights
     if weights is None or weights == have:
         if group_size is not None and weights is None:
@@ -224,7 +224,7 @@ def run(args) -> int:
     _check_args(args)
     if args.weights is not None and args.weights not in ("float32", "int8", "int4"):  # before loading anything
         raise ValueError(f"--weights must be one of float32, int8, int4, got {args.weights!r}")
-    check_minimums(args.weights, args.minimums, args.embed_weights)
+    check_quantize_args(args.weights, args.minimums, args.embed_weights)
     model, tok = load_model_and_tokenizer(args.workdir, args.config, args.overrides, args.gguf)
     model = apply_weights(model, args.weights, args.group_size, args.minimums, args.embed_weights)
     speculative = args.speculative
