@@ -1591,6 +1591,14 @@ MUTANTS = [
         why="a checkpoint of a model with an int8 table under int4 layers rebuilds an int4 table: it cannot load",
     ),
     dict(
+        name="convert-quantize-drops-minimums-and-embed",
+        file="causal_lm/commands/convert.py",
+        old="model = quantize_model(model, quantize, minimums=minimums, embed=embed_weights)",
+        new="model = quantize_model(model, quantize)",
+        tests=["tests/test_gguf_quant.py::test_cli_convert_quantize_and_bad_weights_are_one_line"],
+        why="convert --quantize int4 --minimums --embed-weights int8 saves symmetric int4 everywhere, silently",
+    ),
+    dict(
         name="bench-serve-reps-keep-the-last",
         file="causal_lm/bench/serve.py",
         old='            if name not in best or v["tokens_per_s"] > best[name]["tokens_per_s"]:',

@@ -67,7 +67,21 @@ def test_cli_convert_quantize_and_bad_weights_are_one_line(hf_model, tok, tmp_pa
     assert "weights stored int8" in capsys.readouterr().out
     model, _, config = load_for_inference(wd)
     assert config.model.weights == "int8" and model.blocks.mlp.w_up.data[...].dtype == np.int8
+    # GGUF's own layout in a workdir: int4 groups with minimums, the table and head int8 per channel
+    q4 = write_gguf(tmp_path / "tiny-q41.gguf", hf_model, tok, qtypes={"*": Q.Q4_1})
+    wd4 = str(tmp_path / "wd4")
+    quant = ["--quantize", "int4", "--minimums", "--embed-weights", "int8"]
+    assert main(["convert", "--from-gguf", q4, "--workdir", wd4, *quant]) == 0
+    assert "weights stored int4 (groups of 32 with minimums; int8 embedding)" in capsys.readouterr().out
+    model4, _, config4 = load_for_inference(wd4)
+    m4 = config4.model
+    assert (m4.weights, m4.weights_minimums, m4.weights_embed) == ("int4", True, "int8")
+    assert model4.blocks.mlp.w_up.data[...].dtype == np.uint8 and model4.embed[...].data.dtype == np.int8
+    floats, _ = load_gguf(q4, load_tokenizer=False)  # the file's Q4_1 layers are held exactly by int4 + minimums
+    w = jax.tree.map(lambda a: a[0], model4.blocks.mlp.w_down[...]).dequantize()
+    np.testing.assert_allclose(np.asarray(w), np.asarray(floats.blocks.mlp.w_down[...][0]), rtol=0, atol=1e-6)
     for argv, expected in [
+        (["convert", "--from-gguf", path, "--workdir", wd + "3", "--minimums"], "--minimums applies with --quantize"),
         (["generate", "--workdir", wd, "--weights", "int3"], "--weights must be one of float32, int8, int4"),
         (["generate", "--config", "tiny", "--weights", "int4", "--group-size", "12"], "group_size 12 does not divide"),
         (["generate", "--workdir", wd, "--weights", "int4"], "the model's weights are int8"),

@@ -15,7 +15,7 @@ import dataclasses
 import json
 import os
 
-from causal_lm.commands.common import parse_step
+from causal_lm.commands.common import add_quantize_args, check_quantize_args, parse_step
 from causal_lm.config import Config, DataConfig, TrainConfig
 from causal_lm.data.tokenizer import HFTokenizer
 from causal_lm.interop.gguf import ARCHITECTURES, load_gguf
@@ -96,6 +96,7 @@ def register(sub):
         help="with --from-hf / --from-gguf: store the weights as int8 (per output channel) or int4 (groups of 32) "
         "for decoding (causal_lm.quantize)",
     )
+    add_quantize_args(p, "--quantize")
     p.set_defaults(func=run)
 
 
@@ -121,11 +122,15 @@ def check_target_workdir(workdir: str, force: bool) -> list[int]:
     return steps
 
 
-def _save_converted(workdir: str, model, tokenizer, replace: list[int] = (), quantize=None) -> str:
+def _save_converted(
+    workdir: str, model, tokenizer, replace: list[int] = (), quantize=None, minimums=False, embed_weights=None
+) -> str:
     """Write a converted model and its tokenizer as a checkpoint of `workdir` (generate, eval, train read it);
-    quantize: "int8" | "int4" stores the weights that way (causal_lm.quantize, default group sizes)."""
+    quantize: "int8" | "int4" stores the weights that way (causal_lm.quantize, default group sizes; int4 groups
+    with minimums, the embedding table and head in `embed_weights`). Returns (checkpoint path, the saved model's
+    config)."""
     if quantize:
-        model = quantize_model(model, quantize)
+        model = quantize_model(model, quantize, minimums=minimums, embed=embed_weights)
 
     mc = model.config
     # Training-side settings only matter if the workdir is fine-tuned later: a context that fits the model, and
@@ -139,7 +144,7 @@ def _save_converted(workdir: str, model, tokenizer, replace: list[int] = (), qua
             ckpt.move_aside([s for s in replace if s in ckpt.all_steps()])
         finally:
             ckpt.close()
-    return save_for_inference(workdir, model, config, tokenizer)
+    return save_for_inference(workdir, model, config, tokenizer), mc
 
 
 def convert_from_hf(
@@ -151,6 +156,8 @@ def convert_from_hf(
     max_seq_len=None,
     force: bool = False,
     quantize=None,
+    minimums: bool = False,
+    embed_weights=None,
 ) -> dict:
     """Read `hf_dir` with load_hf and write it as a checkpoint of `workdir`. Returns a summary dict. A workdir
     that already holds checkpoints is refused unless force (see check_target_workdir)."""
@@ -164,12 +171,12 @@ def convert_from_hf(
             f"{hf_dir!r} has no tokenizer.json, which generate and eval need to turn text into "
             "ids; pass --tokenizer PATH/tokenizer.json"
         )
-    path = _save_converted(workdir, model, tokenizer, replaced, quantize)
+    path, saved = _save_converted(workdir, model, tokenizer, replaced, quantize, minimums, embed_weights)
     arch = read_hf_config(hf_dir).get("architectures", ["?"])[0]
     return {
         "architecture": arch,
         "params": model.num_params(),
-        "config": model.config,
+        "config": saved,
         "checkpoint": path,
         "tokenizer_vocab": tokenizer.vocab_size,
         "chat_template": getattr(tokenizer, "chat_template", None) is not None,
@@ -186,6 +193,8 @@ def convert_from_gguf(
     max_seq_len=None,
     force: bool = False,
     quantize=None,
+    minimums: bool = False,
+    embed_weights=None,
 ) -> dict:
     """Read a GGUF file with load_gguf and write it as a checkpoint of `workdir`. Returns a summary dict. A workdir
     that already holds checkpoints is refused unless force (see check_target_workdir)."""
@@ -196,12 +205,12 @@ def convert_from_gguf(
     )
     if tokenizer_path is not None:
         tokenizer = HFTokenizer.from_file(tokenizer_path)
-    path = _save_converted(workdir, model, tokenizer, replaced, quantize)
+    path, saved = _save_converted(workdir, model, tokenizer, replaced, quantize, minimums, embed_weights)
     arch = ARCHITECTURES["qwen2" if model.config.qkv_bias else "llama"]
     return {
         "architecture": f"GGUF {arch}",
         "params": model.num_params(),
-        "config": model.config,
+        "config": saved,
         "checkpoint": path,
         "tokenizer_vocab": tokenizer.vocab_size,
         "chat_template": getattr(tokenizer, "chat_template", None) is not None,
@@ -249,6 +258,15 @@ def merge_lora(lora_workdir: str, workdir: str, *, step=None, force: bool = Fals
     return {"checkpoint": path, "params": model.num_params(), "rank": saved["lora_rank"]}
 
 
+def _stored(m) -> str:
+    """How a quantized model's weights are stored, in words: "int4 (groups of 32 with minimums; int8 embedding)"."""
+    group = f"groups of {m.weights_group_size}" if m.weights_group_size else "per output channel"
+    extra = [group + (" with minimums" if m.weights_minimums else "")]
+    if m.weights_embed:
+        extra.append(f"{m.weights_embed} embedding")
+    return f"{m.weights} ({'; '.join(extra)})"
+
+
 def run(args) -> int:
     if args.merge_lora:
         if not args.workdir or args.out:
@@ -260,6 +278,7 @@ def run(args) -> int:
     source = args.from_hf or args.from_gguf
     if args.quantize is not None and args.quantize not in ("int8", "int4"):
         raise ValueError(f"--quantize must be int8 or int4, got {args.quantize!r}")
+    check_quantize_args(args.quantize, args.minimums, args.embed_weights, "--quantize")
     if source:
         flag = "--from-hf DIR" if args.from_hf else "--from-gguf FILE"
         if not args.workdir or args.out:
@@ -275,6 +294,8 @@ def run(args) -> int:
             max_seq_len=args.max_seq_len,
             force=args.force,
             quantize=args.quantize,
+            minimums=args.minimums,
+            embed_weights=args.embed_weights,
         )
         m = r["config"]
         window = f", sliding window {m.sliding_window}" if m.sliding_window else ""
@@ -283,7 +304,7 @@ def run(args) -> int:
             f"{m.num_heads} heads / {m.num_kv_heads} kv heads, head dim {m.head_dim}, vocab {m.vocab_size}, "
             f"context {m.max_seq_len}, rope theta {m.rope_theta:g}{window}, "
             f"{'tied' if m.tie_embeddings else 'untied'} embeddings, {m.param_dtype}"
-            + (f", weights stored {args.quantize}" if args.quantize else "")
+            + (f", weights stored {_stored(m)}" if args.quantize else "")
         )
         if r["replaced"]:
             print(

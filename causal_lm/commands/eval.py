@@ -7,8 +7,8 @@ import json
 
 import numpy as np
 
-from causal_lm.commands.common import parse_step
-from causal_lm.commands.generate import add_quantize_args, apply_weights, check_quantize_args
+from causal_lm.commands.common import add_quantize_args, check_quantize_args, parse_step
+from causal_lm.commands.generate import apply_weights
 from causal_lm.data import build_data
 from causal_lm.decode import generate
 from causal_lm.model.functional import forward

@@ -16,6 +16,7 @@ import os
 import sys
 import time
 
+from causal_lm.commands.common import add_quantize_args, check_quantize_args
 from causal_lm.config import load_config
 from causal_lm.data.tokenizer import ByteTokenizer
 from causal_lm.decode import generate
@@ -90,30 +91,6 @@ def register(sub):
         help="run a llama.cpp GGUF file directly, its Q8_0/Q4_0/Q4_1 weights kept quantized (instead of --workdir)",
     )
     p.set_defaults(func=run)
-
-
-def add_quantize_args(p) -> None:
-    p.add_argument(
-        "--minimums",
-        action="store_true",
-        help="with --weights int4: each group stores its minimum besides its scale (asymmetric, as GGUF's Q4_1): "
-        "4 bytes more per group, a closer fit (measured: docs/performance.md#weight-only-quantization)",
-    )
-    p.add_argument(
-        "--embed-weights",
-        choices=("int8", "int4"),
-        default=None,
-        help="with --weights: the embedding table and output head in this format instead (int8 under int4 weights: "
-        "the layout GGUF files ship)",
-    )
-
-
-def check_quantize_args(weights, minimums: bool, embed=None) -> None:
-    """--minimums needs int4 weights, --embed-weights quantized ones (refused before anything loads)."""
-    if minimums and weights != "int4":
-        raise ValueError("--minimums applies with --weights int4")
-    if embed is not None and weights not in ("int8", "int4"):
-        raise ValueError("--embed-weights applies with --weights int8|int4")
 
 
 def apply_weights(model, weights, group_size=None, minimums: bool = False, embed=None):
