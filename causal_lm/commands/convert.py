@@ -124,7 +124,7 @@ def check_target_workdir(workdir: str, force: bool) -> list[int]:
 
 def _save_converted(
     workdir: str, model, tokenizer, replace: list[int] = (), quantize=None, minimums=False, embed_weights=None
-) -> str:
+) -> tuple:
     """Write a converted model and its tokenizer as a checkpoint of `workdir` (generate, eval, train read it);
     quantize: "int8" | "int4" stores the weights that way (causal_lm.quantize, default group sizes; int4 groups
     with minimums, the embedding table and head in `embed_weights`). Returns (checkpoint path, the saved model's
